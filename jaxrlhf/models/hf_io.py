@@ -1,0 +1,237 @@
+"""Loading Hugging Face checkpoints into Flax parameters and exporting them back.
+
+Both directions go through the tables in `jaxrlhf.models.mapping`. Export is a stream of
+(HF name, numpy array) pairs produced one tensor at a time: `save_pretrained` writes it to
+safetensors, the weight-sync client sends it to the generator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.models import mapping
+from jaxrlhf.models.config import ModelConfig, config_from_hf, config_to_hf
+from jaxrlhf.models.safetensors_io import DTYPE_NAMES, SafetensorsFile, numpy_dtype, write_file
+from jaxrlhf.models.transformer import Transformer, abstract_params
+from jaxrlhf.sharding import param_logical_axes, tree_shardings
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def resolve_model_path(path_or_name: str | os.PathLike) -> Path:
+    """A local folder as is; otherwise a hub name, fetched with huggingface_hub (needs network)."""
+    path = Path(path_or_name)
+    if path.is_dir():
+        return path
+    if path.exists() or str(path_or_name).startswith((".", "/")):
+        raise FileNotFoundError(f"model folder {path} does not exist or is not a folder")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+    return Path(snapshot_download(str(path_or_name), allow_patterns=patterns))
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    folder = resolve_model_path(path)
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    return config_from_hf(json.loads(config_file.read_text()))
+
+
+def _open_checkpoint(folder: Path) -> dict[str, SafetensorsFile]:
+    """HF tensor name -> the (memory-mapped) file holding it; single file or sharded index."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: SafetensorsFile(folder / name) for name in sorted(set(weight_map.values()))}
+        return {tensor: files[file] for tensor, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(
+            f"{folder} has neither model.safetensors nor model.safetensors.index.json "
+            "(PyTorch .bin checkpoints are not supported: re-save with safe_serialization=True)"
+        )
+    handle = SafetensorsFile(single)
+    return {name: handle for name in handle.names()}
+
+
+def make_model(config: ModelConfig, dtype: str = "float32", remat: bool = False) -> Transformer:
+    jdtype = jnp.dtype(numpy_dtype(dtype))
+    return Transformer(config, dtype=jdtype, param_dtype=jdtype, remat=remat)
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    dtype: str = "float32",
+    head: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    remat: bool = False,
+    seed: int = 0,
+) -> tuple[Transformer, dict]:
+    """Loads a Hugging Face folder (or hub name) into (model, params).
+
+    `head` switches the head: "score" turns a causal LM into a reward/value model (the score
+    weights start random with std 0.02 unless the checkpoint has them), "lm" the reverse is not
+    allowed. With `mesh`, each parameter is placed sharded by the logical-axis rules as it is read.
+    """
+    folder = resolve_model_path(path)
+    config = read_config(folder)
+    if head is not None and head != config.head:
+        if head == "lm":
+            raise ValueError(f"{folder} holds a scalar-head model; it has no LM head to load")
+        config = config.with_head(head)
+    model = make_model(config, dtype, remat)
+    abstract = abstract_params(model)
+    unboxed = nn.meta.unbox(abstract)
+    flax_shapes = {p: tuple(a.shape) for p, a in mapping.flatten(unboxed).items()}
+    shardings = None
+    if mesh is not None:
+        shardings = mapping.flatten(tree_shardings(unboxed, param_logical_axes(abstract), mesh))
+    tensors = _open_checkpoint(folder)
+    np_dtype = numpy_dtype(dtype)
+    used: set[str] = set()
+    flat_params: dict[str, Any] = {}
+    for rule in mapping.bound_rules(config, list(flax_shapes)):
+        shape = flax_shapes[rule.flax]
+        layer_shape = shape[1:] if rule.per_layer else shape
+        names = mapping.hf_names(rule, config.num_layers)
+        missing = [n for n in names if n not in tensors]
+        if missing and rule.flax == "score":
+            rng = np.random.default_rng(seed)
+            value = (rng.standard_normal(shape) * 0.02).astype(np_dtype)
+        elif missing:
+            raise ValueError(f"{folder}: checkpoint lacks tensor {missing[0]} (for {rule.flax})")
+        else:
+            parts = []
+            for name in names:
+                hf_array = tensors[name].get(name)
+                expected = rule.layout.hf_shape(layer_shape)
+                if hf_array.shape != expected:
+                    raise ValueError(
+                        f"{folder}: tensor {name} has shape {hf_array.shape}, expected {expected}"
+                    )
+                parts.append(rule.layout.to_flax(hf_array, layer_shape).astype(np_dtype))
+                used.add(name)
+            value = np.stack(parts) if rule.per_layer else parts[0]
+        if shardings is not None:
+            flat_params[rule.flax] = jax.device_put(value, shardings[rule.flax])
+        else:
+            flat_params[rule.flax] = jnp.asarray(value)
+    unused = [
+        n
+        for n in tensors
+        if n not in used
+        and not mapping.IGNORED_HF.match(n)
+        and not (config.head == "score" and n in ("lm_head.weight", "embed_out.weight"))
+    ]
+    if unused:
+        raise ValueError(f"{folder}: checkpoint tensors not used by the model: {unused[:5]}")
+    return model, mapping.unflatten(flat_params)
+
+
+def _to_host(array: jax.Array) -> np.ndarray:
+    if not array.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(jax.device_get(array))
+
+
+def iter_hf_tensors(
+    model: Transformer, params: dict, dtype: str | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields (HF name, array) for every tensor of the HF layout, one tensor at a time.
+
+    Only the tensor being yielded is copied to the host (a per-layer slice of a stacked,
+    possibly sharded parameter), so exporting never holds a second copy of the model.
+    """
+    flat = mapping.flatten(params)
+    np_dtype = numpy_dtype(dtype) if dtype else None
+    for rule in mapping.bound_rules(model.config, list(flat)):
+        leaf = flat[rule.flax]
+        for i, name in enumerate(mapping.hf_names(rule, model.config.num_layers)):
+            host = _to_host(leaf[i] if rule.per_layer else leaf)
+            if np_dtype is not None:
+                host = host.astype(np_dtype)
+            yield name, np.ascontiguousarray(rule.layout.to_hf(host))
+
+
+def hf_tensor_specs(
+    model: Transformer, params: dict, dtype: str | None = None
+) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """(name, shape, dtype) of each tensor `iter_hf_tensors` yields, in the same order."""
+    flat = mapping.flatten(params)
+    shapes = {path: tuple(leaf.shape) for path, leaf in flat.items()}
+    dtypes = {path: np.dtype(leaf.dtype) for path, leaf in flat.items()}
+    specs = []
+    for rule in mapping.bound_rules(model.config, list(shapes)):
+        for name, shape in mapping.hf_specs(model.config, {rule.flax: shapes[rule.flax]}):
+            specs.append((name, shape, numpy_dtype(dtype) if dtype else dtypes[rule.flax]))
+    return specs
+
+
+def save_pretrained(
+    model: Transformer,
+    params: dict,
+    path: str | os.PathLike,
+    dtype: str | None = None,
+    tokenizer_from: str | os.PathLike | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> Path:
+    """Writes a Hugging Face folder (config.json + safetensors, sharded with an index when larger
+    than `max_shard_bytes`) that transformers and vLLM load. `tokenizer_from` copies tokenizer and
+    generation-config files from another model folder."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = hf_tensor_specs(model, params, dtype)
+    shards: list[list[tuple[str, tuple[int, ...], np.dtype]]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = int(np.prod(spec[1])) * spec[2].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    stream = iter_hf_tensors(model, params, dtype)
+    if len(shards) == 1:
+        write_file(out / "model.safetensors", shards[0], stream)
+    else:
+        weight_map, total = {}, 0
+        for k, shard in enumerate(shards):
+            file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            total += write_file(out / file, shard, stream)
+            weight_map.update({name: file for name, _, _ in shard})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf_config = config_to_hf(model.config)
+    # transformers >= 5 reads "dtype"; older readers (and some vLLM paths) "torch_dtype".
+    dtype_name = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[DTYPE_NAMES[specs[0][2]]]
+    hf_config["dtype"] = hf_config["torch_dtype"] = dtype_name
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if tokenizer_from is not None:
+        source = resolve_model_path(tokenizer_from)
+        for name in TOKENIZER_FILES:
+            if (source / name).exists() and source.resolve() != out.resolve():
+                shutil.copy(source / name, out / name)
+    return out

@@ -1,0 +1,180 @@
+"""Building blocks shared by the architectures: norms, rotary embeddings, attention, projections.
+
+Every parameter carries logical axis names (see `jaxrlhf.sharding.LOGICAL_RULES`); activations
+are constrained with `constrain` so that a mesh, when one is active, shards them as the rules say.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.models.config import ModelConfig
+from jaxrlhf.sharding import constrain
+
+Dtype = Any
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def logical_param(
+    module: nn.Module,
+    name: str,
+    shape: Sequence[int],
+    axes: tuple[str | None, ...],
+    dtype: Dtype,
+    init=_init,
+) -> jax.Array:
+    """Declares a parameter annotated with its logical axes."""
+    return module.param(name, nn.with_logical_partitioning(init, axes), tuple(shape), dtype)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) · scale, computed in float32 (as transformers does)."""
+
+    eps: float
+    dtype: Dtype
+    param_dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = logical_param(
+            self, "scale", (x.shape[-1],), ("norm",), self.param_dtype, nn.initializers.ones
+        )
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * x32.astype(self.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Standard LayerNorm with scale and bias, statistics in float32."""
+
+    eps: float
+    dtype: Dtype
+    param_dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dim = x.shape[-1]
+        scale = logical_param(
+            self, "scale", (dim,), ("norm",), self.param_dtype, nn.initializers.ones
+        )
+        bias = logical_param(
+            self, "bias", (dim,), ("norm",), self.param_dtype, nn.initializers.zeros
+        )
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+class Projection(nn.Module):
+    """y = x · W (+ b) contracting the last `len(in_axes)` dims of x; W has in + out dims."""
+
+    out_shape: tuple[int, ...]
+    in_axes: tuple[str | None, ...]
+    out_axes: tuple[str | None, ...]
+    use_bias: bool
+    dtype: Dtype
+    param_dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n_in = len(self.in_axes)
+        in_shape = x.shape[x.ndim - n_in :]
+        kernel = logical_param(
+            self,
+            "kernel",
+            (*in_shape, *self.out_shape),
+            (*self.in_axes, *self.out_axes),
+            self.param_dtype,
+        )
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        y = jax.lax.dot_general(
+            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
+        )
+        if self.use_bias:
+            bias = logical_param(
+                self, "bias", self.out_shape, self.out_axes, self.param_dtype, nn.initializers.zeros
+            )
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+    """Inverse frequencies 1/θ^(2i/d) for the rotary dims, with Llama 3 scaling when configured.
+
+    Llama 3 ("llama3") keeps high frequencies, divides low ones by `factor` and interpolates
+    smoothly between `high_freq_factor` and `low_freq_factor` wavelengths.
+    """
+    dim = config.rope_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    factor = scaling.factor
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates the first 2·len(inv_freq) features of each head (rotate-half convention).
+
+    x: [B, T, H, D]; positions: [B, T]. Features past the rotary dims pass unchanged (GPT-NeoX).
+    """
+    rot_dim = 2 * inv_freq.shape[0]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rot/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x1, x2 = jnp.split(x_rot.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = (x_rot.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
+
+
+def attention_bias(attention_mask: jax.Array, dtype: Dtype) -> jax.Array:
+    """Additive bias [B, 1, T, T]: 0 where query i may see key j (j ≤ i and j is a real token)."""
+    length = attention_mask.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    allowed = causal[None, None] & attention_mask[:, None, None, :].astype(bool)
+    return jnp.where(allowed, 0.0, jnp.finfo(dtype).min).astype(dtype)
+
+
+def dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, dtype: Dtype
+) -> jax.Array:
+    """softmax(q·kᵀ/√d + bias)·v with grouped-query attention.
+
+    q: [B, T, H, D]; k, v: [B, T, KV, D] with H a multiple of KV; bias [B, 1, T, T].
+    Softmax in float32. Returns [B, T, H, D].
+    """
+    batch, length, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+    q = q.reshape(batch, length, kv_heads, groups, head_dim)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(head_dim) + bias[:, :, None].astype(jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(batch, length, heads, head_dim)
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Position of each token counting real tokens only (left padding does not shift positions)."""
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def residual_constraint(x: jax.Array) -> jax.Array:
+    return constrain(x, ("batch", "length", "act_embed"))

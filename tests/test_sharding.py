@@ -1,0 +1,105 @@
+"""The sharded train step on 8 fake CPU devices equals the single-device step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxrlhf.models import load_pretrained, logprobs_from_logits
+from jaxrlhf.sharding import logical_to_spec, make_mesh, shard_batch
+from jaxrlhf.train_state import (
+    build_train_step,
+    create_train_state,
+    params_shardings,
+    state_shardings,
+)
+from tests.conftest import tiny_model
+
+
+def nll_loss(model):
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["input_ids"], batch["attention_mask"])
+        logp = logprobs_from_logits(logits[:, :-1], batch["input_ids"][:, 1:])
+        mask = batch["attention_mask"][:, 1:]
+        loss = -(logp * mask).sum() / mask.sum()
+        return loss, {"tokens": mask.sum()}
+
+    return loss_fn
+
+
+def run_steps(mesh_shape, devices, steps=2):
+    # 8 query heads (shardable 8-way) and 4 KV heads (replicated when tensor=8).
+    path = tiny_model("llama", name="llama-8heads", num_attention_heads=8, num_key_value_heads=4)
+    model, params = load_pretrained(path)
+    mesh = make_mesh(mesh_shape, devices)
+    # eps well above float noise: Adam would otherwise blow near-zero gradients (whose sign is
+    # rounding noise) up to full-size updates, which no two reduction orders agree on.
+    optimizer = optax.adamw(1e-2, eps=1e-4)
+    shardings = state_shardings(params_shardings(model, mesh), optimizer, params, mesh)
+    state = create_train_state(params, optimizer, shardings)
+    rng = np.random.default_rng(0)
+    batch = {
+        "input_ids": rng.integers(3, model.config.vocab_size, (8, 16)).astype(np.int32),
+        "attention_mask": np.ones((8, 16), np.int32),
+    }
+    batch["attention_mask"][::2, :4] = 0
+    shapes = {k: v.shape for k, v in batch.items()}
+    step = build_train_step(nll_loss(model), optimizer, mesh, shardings, shapes)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, shard_batch(batch, mesh))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_steps((1, 1, 1), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 1, 8), (2, 2, 2), (8, 1, 1)])
+def test_sharded_step_equals_single_device(reference, mesh_shape):
+    assert len(jax.devices()) == 8
+    ref_state, ref_losses = reference
+    state, losses = run_steps(mesh_shape, jax.devices())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[1] < losses[0]
+    for got, want in zip(
+        jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-4)
+    # The parameters really are sharded as the rules say.
+    attn = state.params["layers"]["attn"]
+    data, fsdp, tensor = mesh_shape
+    q_spec = attn["q_proj"]["kernel"].sharding.spec  # [layers, embed, heads, head_dim]
+    assert tuple(q_spec) == (
+        None,
+        "fsdp" if fsdp > 1 else None,
+        "tensor" if tensor > 1 else None,
+        None,
+    )
+    k_spec = attn["k_proj"]["kernel"].sharding.spec  # 4 KV heads split 2 ways, not 8
+    assert k_spec[2] == ("tensor" if tensor == 2 else None)
+    emb = state.params["embedding"]
+    assert emb.sharding.shard_shape(emb.shape) == (384 // tensor, 128 // fsdp)
+    mu = state.opt_state[0].mu["layers"]["mlp"]["up_proj"]["kernel"]
+    assert mu.sharding == state.params["layers"]["mlp"]["up_proj"]["kernel"].sharding
+
+
+def test_logical_rules_fall_back_when_not_divisible():
+    mesh = make_mesh((2, 2, 2), jax.devices())
+    assert logical_to_spec(("batch", "length"), (8, 5), mesh) == P(("data", "fsdp"), None)
+    assert logical_to_spec(("batch",), (2,), mesh) == P("data")
+    assert logical_to_spec(("kv_heads", "embed"), (3, 64), mesh) == P(None, "fsdp")
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        make_mesh((2, 2, 4), jax.devices())
+    assert make_mesh((-1, 2, 1)).shape["data"] == 4
+
+
+def test_activation_constraint_is_noop_without_mesh():
+    from jaxrlhf.sharding import constrain
+
+    x = jnp.ones((4, 3))
+    assert constrain(x, ("batch", None)) is x
