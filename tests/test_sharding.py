@@ -1,5 +1,7 @@
 """The sharded train step on 8 fake CPU devices equals the single-device step."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,41 +31,61 @@ def nll_loss(model):
     return loss_fn
 
 
-def run_steps(mesh_shape, devices, steps=2):
+def sharding_model():
     # 8 query heads (shardable 8-way) and 4 KV heads (replicated when tensor=8).
-    path = tiny_model("llama", name="llama-8heads", num_attention_heads=8, num_key_value_heads=4)
-    model, params = load_pretrained(path)
+    return tiny_model("llama", name="llama-8heads", num_attention_heads=8, num_key_value_heads=4)
+
+
+def make_batch():
+    rng = np.random.default_rng(0)
+    batch = {
+        "input_ids": rng.integers(3, 384, (8, 16)).astype(np.int32),
+        "attention_mask": np.ones((8, 16), np.int32),
+    }
+    batch["attention_mask"][::2, :4] = 0
+    return batch
+
+
+def run_steps(model_dir, mesh_shape, devices, local_batch, steps=2):
+    """Loads the model sharded on a mesh and takes `steps` AdamW steps on the same batch.
+
+    `local_batch` is this process's slice of the global batch (all of it in one process).
+    """
     mesh = make_mesh(mesh_shape, devices)
+    model, params = load_pretrained(model_dir, mesh=mesh)
     # eps well above float noise: Adam would otherwise blow near-zero gradients (whose sign is
     # rounding noise) up to full-size updates, which no two reduction orders agree on.
     optimizer = optax.adamw(1e-2, eps=1e-4)
     shardings = state_shardings(params_shardings(model, mesh), optimizer, params, mesh)
     state = create_train_state(params, optimizer, shardings)
-    rng = np.random.default_rng(0)
-    batch = {
-        "input_ids": rng.integers(3, model.config.vocab_size, (8, 16)).astype(np.int32),
-        "attention_mask": np.ones((8, 16), np.int32),
+    global_shapes = {
+        k: (v.shape[0] * jax.process_count(),) + v.shape[1:] for k, v in local_batch.items()
     }
-    batch["attention_mask"][::2, :4] = 0
-    shapes = {k: v.shape for k, v in batch.items()}
-    step = build_train_step(nll_loss(model), optimizer, mesh, shardings, shapes)
+    step = build_train_step(nll_loss(model), optimizer, mesh, shardings, global_shapes)
     losses = []
     for _ in range(steps):
-        state, metrics = step(state, shard_batch(batch, mesh))
+        state, metrics = step(state, shard_batch(local_batch, mesh))
         losses.append(float(metrics["loss"]))
     return state, losses
 
 
+def train_losses(model_dir, mesh_shape, devices, local_batch):
+    """(losses, sum of |params| after the steps) — comparable across processes and meshes."""
+    state, losses = run_steps(model_dir, mesh_shape, devices, local_batch)
+    total = jax.jit(lambda p: sum(jnp.abs(x).sum() for x in jax.tree.leaves(p)))(state.params)
+    return losses, float(total)
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return run_steps((1, 1, 1), jax.devices()[:1])
+    return run_steps(sharding_model(), (1, 1, 1), jax.devices()[:1], make_batch())
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 1, 8), (2, 2, 2), (8, 1, 1)])
 def test_sharded_step_equals_single_device(reference, mesh_shape):
     assert len(jax.devices()) == 8
     ref_state, ref_losses = reference
-    state, losses = run_steps(mesh_shape, jax.devices())
+    state, losses = run_steps(sharding_model(), mesh_shape, jax.devices(), make_batch())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[1] < losses[0]
     for got, want in zip(
@@ -103,3 +125,40 @@ def test_activation_constraint_is_noop_without_mesh():
 
     x = jnp.ones((4, 3))
     assert constrain(x, ("batch", None)) is x
+
+
+def test_two_processes_match_single_device(reference, tmp_path):
+    """jax.distributed over 2 processes x 2 CPU devices (gloo), mesh (1, 2, 2), half the batch
+    per process: the same losses and parameters as one device with the whole batch."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    model_dir = str(sharding_model())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.distributed_worker", str(port), str(i), model_dir],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    ref_state, ref_losses = reference
+    ref_total = float(sum(np.abs(np.asarray(x)).sum() for x in jax.tree.leaves(ref_state.params)))
+    for result in results:
+        np.testing.assert_allclose(result["losses"], ref_losses, rtol=1e-5)
+        np.testing.assert_allclose(result["checksum"], ref_total, rtol=1e-5)
