@@ -1,0 +1,80 @@
+"""RLOO: REINFORCE with a leave-one-out baseline (Ahmadian et al. 2024), PPO-clipped per sequence.
+
+As in the paper's reference code (TRL's RLOOTrainer): the KL penalty is folded into a sequence
+reward, the baseline of a sample is the mean reward of the other k−1 samples of its prompt, and
+the update clips the sequence-level importance ratio.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.losses.common import clipped_surrogate, group_rewards, masked_sum
+
+
+def kl_penalized_rewards(
+    scores: jax.Array,
+    logprobs_old: jax.Array,
+    ref_logprobs: jax.Array,
+    mask: jax.Array,
+    kl_coef: float,
+) -> jax.Array:
+    """R_i = score_i − kl_coef · Σ_t m_t (log π_old(y_t) − log π_ref(y_t)).
+
+    scores [B]; logprobs_old, ref_logprobs, mask [B, T] (per token). Returns [B].
+    """
+    kl = jnp.asarray(logprobs_old, jnp.float32) - jnp.asarray(ref_logprobs, jnp.float32)
+    return jnp.asarray(scores, jnp.float32) - kl_coef * masked_sum(kl, mask, axis=-1)
+
+
+def rloo_advantages(rewards: jax.Array, k: int) -> jax.Array:
+    """A_i = R_i − (1/(k−1)) Σ_{j≠i} R_j within each prompt's group of k samples.
+
+    rewards [num_prompts·k], prompt-major (a prompt's k samples adjacent). Returns the same
+    shape. Equivalently A_i = k/(k−1) · (R_i − mean_group R). Needs k ≥ 2.
+    """
+    grouped = group_rewards(rewards, k)
+    if k < 2:
+        raise ValueError(f"RLOO needs k >= 2 samples per prompt for its baseline, got k={k}")
+    baseline = (jnp.sum(grouped, axis=1, keepdims=True) - grouped) / (k - 1)
+    return (grouped - baseline).reshape(-1)
+
+
+def rloo_loss(
+    new_seq_logps: jax.Array,
+    old_seq_logps: jax.Array,
+    advantages: jax.Array,
+    clip: float = 0.2,
+    importance_weights: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Sequence-level clipped surrogate on [N] summed log-probs.
+
+        ρ_i = exp(Σ_t log π_θ − Σ_t log π_old)
+        loss = mean_i w_i · max(−A_i ρ_i, −A_i clip(ρ_i, 1−ε, 1+ε))
+
+    with w the optional truncated importance weights (constant, default 1). Old log-probs and
+    advantages are constants (stop_gradient).
+
+    Metrics: clipfrac (fraction of sequences whose clipped term is active, zero gradient),
+    ratio_mean, ratio_max, approx_kl = ½ mean((log ρ)²) (as TRL).
+    """
+    new_seq_logps = jnp.asarray(new_seq_logps, jnp.float32)
+    old_seq_logps = jax.lax.stop_gradient(jnp.asarray(old_seq_logps, jnp.float32))
+    advantages = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
+    log_ratio = new_seq_logps - old_seq_logps
+    losses, is_clipped, ratio = clipped_surrogate(log_ratio, advantages, clip)
+    if importance_weights is not None:
+        losses = losses * jax.lax.stop_gradient(importance_weights)
+    loss = jnp.mean(losses)
+    log_ratio = jax.lax.stop_gradient(log_ratio)
+    ratio = jax.lax.stop_gradient(ratio)
+    metrics = {
+        "loss": loss,
+        "clipfrac": jnp.mean(is_clipped.astype(jnp.float32)),
+        "ratio_mean": jnp.mean(ratio),
+        "ratio_max": jnp.max(ratio),
+        "approx_kl": 0.5 * jnp.mean(log_ratio**2),
+        "advantages_mean": jnp.mean(advantages),
+    }
+    return loss, metrics
