@@ -1,8 +1,9 @@
-"""Config validation: every problem is reported before any work starts.
+"""Configs: `base_config()` holds every key with its default; `configs/*.py` start from it.
 
 Configs are `ml_collections.ConfigDict`s returned by `configs/*.py:get_config()`. Command-line
 overrides (`--config.a.b=value`) of unknown keys or of the wrong type are rejected by
-ml_collections itself (the config is locked); `validate` checks values.
+ml_collections itself (the config is locked); `validate` checks values. Both happen before any
+work starts.
 """
 
 from __future__ import annotations
@@ -11,8 +12,74 @@ import math
 
 import ml_collections
 
-STAGES = ("sft",)
+from jaxrlhf.losses import LOSSES
+
+STAGES = ("sft", "rlhf")
 DTYPES = ("float32", "bfloat16", "float16")
+TASKS = ("arithmetic",)
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every key a run reads, with defaults (the paper's where it has one, DESIGN §3)."""
+    c = ml_collections.ConfigDict()
+    c.stage = "rlhf"
+    c.seed = 0
+    c.output_dir = "runs/default"
+    c.resume = False
+    # "smollm2" = the packaged SmolLM2-135M-Instruct; "tiny" = a tiny random Llama built
+    # locally; otherwise a local Hugging Face folder or a hub name.
+    c.model = dict(path="smollm2", dtype="float32", remat=False)
+    c.mesh = dict(shape=(1, -1, 1))
+    c.distributed = dict(enabled=False, coordinator_address="", num_processes=1, process_id=0)
+    c.task = dict(name="arithmetic", num_train=256, num_eval=64)
+    c.rollout = dict(
+        prompts_per_batch=8,
+        samples_per_prompt=2,
+        temperature=0.7,
+        max_prompt_tokens=64,
+        max_response_tokens=16,
+        weight_sync_dtype="",  # "" = the learner's dtype
+    )
+    c.loss = "online_dpo"  # a name from jaxrlhf.losses.LOSSES
+    c.loss_params = dict(
+        beta=0.1,
+        kl_coef=0.05,
+        clip=0.2,
+        clip_value=0.2,
+        vf_coef=0.1,
+        gamma=1.0,
+        lam=0.95,
+        whiten_advantages=True,
+        penalty_reward_value=-1.0,
+        old_logprobs="sampler",  # "sampler" (behaviour policy's) or "learner" (recompute)
+        truncated_is_cap=0.0,  # > 0: truncated importance sampling, sampler vs learner
+        value_model_path="",  # PPO: "" = initialise the value model from the policy
+    )
+    # 0 = synchronous on-policy; 1 = one-step-off asynchronous; N = N versions behind at most.
+    c.max_staleness = 1
+    c.sync_every = 1  # publish weights every this many updates
+    c.total_steps = 20  # optimizer updates (RLHF) or steps (SFT)
+    c.train = dict(
+        learning_rate=1e-6,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        batch_size=8,  # sft
+        max_length=64,  # sft
+        log_every=1,
+    )
+    c.checkpoint = dict(every=10)
+    c.eval = dict(at_start=True, at_end=True, every=0)
+    c.generator = dict(
+        addresses="",  # "host:port[,host:port...]"; "" = start one locally
+        auth_token_env="JAXRLHF_GENERATOR_TOKEN",
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        cpus="",  # e.g. "1": pin a locally started generator to these cores
+    )
+    c.learner_cpus = ""  # e.g. "0": pin the learner process to these cores
+    c.export = True
+    return c
 
 
 class ConfigError(ValueError):
@@ -36,7 +103,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"config.mesh.shape={shape}: three sizes (data, fsdp, tensor), each >= 1 or one -1",
     )
     train = config.train
-    for key in ("batch_size", "total_steps", "max_length"):
+    _require(config.total_steps >= 1, f"config.total_steps={config.total_steps}: >= 1")
+    for key in ("batch_size", "max_length"):
         _require(train[key] >= 1, f"config.train.{key}={train[key]}: must be >= 1")
     _require(train.learning_rate > 0, f"config.train.learning_rate={train.learning_rate}: > 0")
     known = math.prod(s for s in shape if s != -1)
@@ -45,3 +113,44 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"config.train.batch_size={train.batch_size} is not divisible by the mesh {shape}",
     )
     _require(bool(config.output_dir), "config.output_dir: must name a folder")
+    _require(config.task.name in TASKS, f"config.task.name={config.task.name!r}: one of {TASKS}")
+    if config.stage == "rlhf":
+        _validate_rlhf(config)
+
+
+def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
+    loss = config.loss_params
+    name = config.loss
+    _require(name in LOSSES, f"config.loss={name!r}: one of {sorted(LOSSES)}")
+    spec = LOSSES[name]
+    k = config.rollout.samples_per_prompt
+    _require(
+        k >= spec.min_samples_per_prompt,
+        f"config.rollout.samples_per_prompt={k}: loss {name!r} needs at least "
+        f"{spec.min_samples_per_prompt}",
+    )
+    _require(config.max_staleness >= 0, f"config.max_staleness={config.max_staleness}: >= 0")
+    _require(config.sync_every >= 1, f"config.sync_every={config.sync_every}: >= 1")
+    _require(
+        config.max_staleness >= config.sync_every - 1,
+        f"config.max_staleness={config.max_staleness} with config.sync_every="
+        f"{config.sync_every}: batches would wait for weights that are never published; "
+        f"use max_staleness >= sync_every - 1",
+    )
+    _require(
+        loss.old_logprobs in ("sampler", "learner"),
+        f"config.loss_params.old_logprobs={loss.old_logprobs!r}: 'sampler' or 'learner'",
+    )
+    _require(
+        config.rollout.temperature > 0,
+        f"config.rollout.temperature={config.rollout.temperature}: must be > 0 for RL",
+    )
+    for key in ("prompts_per_batch", "max_prompt_tokens", "max_response_tokens"):
+        value = config.rollout[key]
+        _require(value >= 1, f"config.rollout.{key}={value}: must be >= 1")
+    needed = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
+    _require(
+        needed <= config.generator.max_model_len,
+        f"config.generator.max_model_len={config.generator.max_model_len} < max_prompt_tokens + "
+        f"max_response_tokens = {needed}",
+    )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
-from absl import app
+from absl import app, logging
 from ml_collections import config_flags
 
 from jaxrlhf.config import ConfigError, validate
@@ -32,6 +33,7 @@ def resolve_model(path: str, output_dir: str) -> Path:
 
 def main(argv) -> None:
     del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every save at INFO
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config=configs/NAME.py is required")
@@ -50,10 +52,14 @@ def main(argv) -> None:
         print(f"[jaxrlhf] {message}", flush=True)
 
     log(f"stage {config.stage}; outputs in {Path(config.output_dir).resolve()}")
+    if config.learner_cpus:
+        os.sched_setaffinity(0, {int(c) for c in config.learner_cpus.split(",")})
     model_path = resolve_model(config.model.path, config.output_dir)
-    from jaxrlhf.stages import sft
-
-    summary = sft.run(config, model_path, log)
+    if config.stage == "sft":
+        from jaxrlhf.stages import sft as stage
+    else:
+        from jaxrlhf.stages import rlhf as stage
+    summary = stage.run(config, model_path, log)
     log("summary: " + json.dumps(summary))
 
 

@@ -59,7 +59,7 @@ def build_examples(tokenizer, problems, max_length: int) -> dict[str, np.ndarray
 
 
 def run(config, model_path: Path, log) -> dict:
-    """Trains `config.train.total_steps` steps; returns a summary dict (also summary.json)."""
+    """Trains `config.total_steps` steps; returns a summary dict (also summary.json)."""
     import transformers
 
     out = Path(config.output_dir)
@@ -93,7 +93,7 @@ def run(config, model_path: Path, log) -> dict:
     log(f"mesh {dict(mesh.shape)}; held-out NLL before training: {eval_start:.4f}")
     order = np.random.default_rng(config.seed).permutation(len(train["input_ids"]))
     with open(out / "metrics.jsonl", "w") as metrics_file:
-        for step in range(config.train.total_steps):
+        for step in range(config.total_steps):
             rows = order[(np.arange(bs) + step * bs) % len(order)]
             batch = shard_batch({k: v[rows] for k, v in train.items()}, mesh)
             t0 = time.time()
@@ -102,14 +102,14 @@ def run(config, model_path: Path, log) -> dict:
             record = {"step": step + 1, "loss": loss, "step_seconds": time.time() - t0}
             metrics_file.write(json.dumps(record) + "\n")
             if (step + 1) % config.train.log_every == 0:
-                log(f"step {step + 1}/{config.train.total_steps} loss {loss:.4f}")
+                log(f"step {step + 1}/{config.total_steps} loss {loss:.4f}")
     eval_end = held_out_loss(state.params)
     summary = {
         "stage": "sft",
         "eval_nll_start": eval_start,
         "eval_nll_end": eval_end,
         "wall_seconds": time.time() - started,
-        "steps": config.train.total_steps,
+        "steps": config.total_steps,
     }
     if config.export:
         summary["export_dir"] = str(

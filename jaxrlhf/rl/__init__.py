@@ -1,0 +1,1 @@
+"""The RLHF loop: rollouts from the generator service, rewards, staleness, weight publishing."""

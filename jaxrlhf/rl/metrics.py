@@ -1,0 +1,60 @@
+"""Run metrics: one JSON line per step in {output_dir}/metrics.jsonl, TensorBoard scalars, and a
+progress bar with the figures a user watches (reward, KL, staleness, throughput)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PROGRESS_KEYS = (
+    ("reward_mean", "reward"),
+    ("kl", "kl"),
+    ("staleness_mean", "stale"),
+    ("eval_accuracy", "eval_acc"),
+    ("generation_tokens_per_s", "gen_tok/s"),
+)
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: str | Path, total_steps: int, start_step: int, resume: bool):
+        from tensorboardX import SummaryWriter
+        from tqdm import tqdm
+
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume and self.path.exists():
+            # Drop lines of steps after the checkpoint: they are trained again.
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line and json.loads(line).get("step", 0) <= start_step
+            ]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="rlhf", dynamic_ncols=True)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key != "step":
+                self._tb.add_scalar(key, value, step)
+        shown = {label: f"{record[k]:.3g}" for k, label in PROGRESS_KEYS if k in record}
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._tb.close()
+        self._file.close()
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    return value

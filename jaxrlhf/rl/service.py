@@ -1,0 +1,89 @@
+"""Starting a generator service as a child process (`python -m generator_service`), as a user
+would, when the config names no running one. Optional CPU affinity keeps it off the learner's
+cores (on one machine, disjoint cores stand in for separate accelerators)."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+READY_LINE = "GENERATOR_SERVICE_READY"  # printed by generator_service.server once serving
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: receive SIGTERM when the parent dies (no orphan servers)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclasses.dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    address: str
+    log_path: Path
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then wait; returns the exit code (kills it if it overstays)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+
+
+def start_server(
+    model_dir: str | Path,
+    log_path: str | Path,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    cpus: Sequence[int] | None = None,
+    timeout: float = 600.0,
+) -> ServerProcess:
+    """Starts the server on a free loopback port and waits until its engine serves."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "generator_service", "--model", str(model_dir), "--port", "0",
+        *extra_args,
+    ]  # fmt: skip
+    if cpus:
+        command = ["taskset", "-c", ",".join(str(c) for c in cpus), *command]
+    repo_root = Path(__file__).resolve().parents[2]
+    full_env = dict(os.environ, **(env or {}))
+    full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=repo_root,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+    server = ServerProcess(process, "", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith(READY_LINE):
+                server.address = line.split()[1]
+                return server
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"generator server exited ({process.returncode}):\n{server.log_tail()}"
+            )
+        time.sleep(0.5)
+    server.terminate()
+    raise TimeoutError(f"generator server not ready in {timeout}s:\n{server.log_tail()}")
