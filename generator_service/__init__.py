@@ -1,0 +1,8 @@
+"""The generator service: a vLLM engine behind gRPC (protos/generator.proto).
+
+Run it with `python -m generator_service --model PATH_OR_NAME --port 50051`. Modules:
+`server` (gRPC servicer, health, reflection, shutdown), `engine` (vLLM, version tags, swaps),
+`gate` (the readers/writer gate behind exact version tags), `requests` (what a Generate call
+may ask for), `weights` (validating and staging streamed weight updates), `worker_extension`
+(code run inside vLLM's worker), `auth` (token and TLS).
+"""

@@ -1,0 +1,94 @@
+"""Command line: `python -m generator_service --model PATH_OR_NAME --port 50051 [...]`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from generator_service.auth import (
+    AUTH_TOKEN_ENV,
+    is_loopback,
+    resolve_auth_token,
+    server_credentials,
+)
+from generator_service.engine import EngineConfig
+from generator_service.server import ServerOptions, serve
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m generator_service",
+        description="vLLM generator behind gRPC with versioned weight updates.",
+    )
+    parser.add_argument("--model", required=True, help="Hugging Face folder or cached hub name")
+    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument("--dtype", default="auto", help="served dtype, e.g. bfloat16, float32")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0, help="engine sampling seed")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="disable graph capture (default: on CPU only)",
+    )
+    parser.add_argument(
+        "--auth-token",
+        default=None,
+        help=f"shared secret; prefer the {AUTH_TOKEN_ENV} environment variable (not in ps). "
+        "Required when --host is not loopback.",
+    )
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate chain for TLS")
+    parser.add_argument("--tls-key", default=None, help="PEM private key for TLS")
+    parser.add_argument(
+        "--staging-dir",
+        default=None,
+        help="where weight updates are staged (default /dev/shm, else the temp folder)",
+    )
+    parser.add_argument("--shutdown-grace", type=float, default=10.0)
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        auth_token = resolve_auth_token(args.host, args.auth_token)
+        tls = server_credentials(args.tls_cert, args.tls_key)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if tls is None and not is_loopback(args.host):
+        logging.warning("the auth token crosses the network in plaintext; consider --tls-cert")
+    engine_config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        staging_dir=args.staging_dir,
+    )
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        auth_token=auth_token,
+        tls=tls,
+        shutdown_grace=args.shutdown_grace,
+    )
+    asyncio.run(serve(engine_config, options))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""What a Generate call may ask for: sampling settings and the checks on prompts.
+
+Kept apart from the engine so that every rule is plain Python, checked before anything reaches
+vLLM (which, for one, does not refuse prompt + max_tokens over the model length by itself).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+
+class GenerateError(Exception):
+    """A Generate call refused or failed: `code` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of one Generate call (proto defaults already resolved)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+def _invalid(message: str) -> GenerateError:
+    return GenerateError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _check_sampling(sampling: Sampling, vocab_size: int) -> None:
+    if sampling.n < 1:
+        raise _invalid(f"sampling.n must be >= 1, got {sampling.n}")
+    if sampling.max_tokens < 1:
+        raise _invalid(f"sampling.max_tokens must be >= 1, got {sampling.max_tokens}")
+    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+        raise _invalid(f"sampling.temperature must be >= 0, got {sampling.temperature}")
+    if not (0 < sampling.top_p <= 1):
+        raise _invalid(f"sampling.top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < -1:
+        raise _invalid(f"sampling.top_k must be -1, 0 (off) or >= 1, got {sampling.top_k}")
+    if sampling.min_tokens > sampling.max_tokens:
+        raise _invalid(
+            f"sampling.min_tokens {sampling.min_tokens} exceeds max_tokens {sampling.max_tokens}"
+        )
+    for token in sampling.stop_token_ids:
+        if not 0 <= token < vocab_size:
+            raise _invalid(f"stop token id {token} is outside the vocabulary [0, {vocab_size})")
+
+
+def validate_request(
+    prompts: Sequence[tuple[str, Sequence[int]]],
+    sampling: Sampling,
+    vocab_size: int,
+    max_model_len: int,
+) -> None:
+    """Raises GenerateError(INVALID_ARGUMENT) naming the first problem (and the prompt)."""
+    if not prompts:
+        raise _invalid("the request has no prompts")
+    _check_sampling(sampling, vocab_size)
+    for index, (prompt_id, token_ids) in enumerate(prompts):
+        name = f"prompt {index} (id {prompt_id!r})"
+        if not token_ids:
+            raise _invalid(f"{name} is empty")
+        total = len(token_ids) + sampling.max_tokens
+        if total > max_model_len:
+            raise _invalid(
+                f"{name} has {len(token_ids)} tokens; with max_tokens {sampling.max_tokens} "
+                f"that is {total}, over the model length {max_model_len}"
+            )
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+            raise _invalid(f"{name} has token id {bad}, outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,146 @@
+"""Generate against the real engine: tags, logprobs, validation, concurrency, health, reflection."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from jaxrlhf.rpc import SERVICE_NAME, generator_pb2
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_status_describes_the_served_model(client, tiny_llama):
+    status = client.status()
+    assert status.model == str(tiny_llama)
+    assert status.max_model_len == 256
+    assert status.vocab_size == 384
+    assert status.dtype == "float32"
+    assert status.serving
+    assert status.num_weight_tensors == 20  # 2 layers x 9 + embedding + final norm; lm_head tied
+
+
+def test_completions_before_any_update_carry_version_0_and_match_transformers(served, reference):
+    initial = served.initial_completions
+    assert len(initial) == len(served.initial_prompts)
+    assert {completion.policy_version for completion in initial} == {0}
+    for completion in initial:
+        prompt = served.initial_prompts[completion.prompt_index]
+        assert completion.prompt_id == str(completion.prompt_index)
+        assert completion.finish_reason == "length"
+        assert list(completion.token_ids) == reference.greedy(served.tensors, prompt, 12)
+
+
+def test_sampled_logprobs_are_those_of_the_tempered_distribution(client, served, reference):
+    prompts = [[5, 6, 7, 8], [40, 41]]
+    temperature = 0.7
+    completions = list(
+        client.generate(prompts, max_tokens=10, n=3, temperature=temperature, ignore_eos=True)
+    )
+    assert sorted((c.prompt_index, c.sample_index) for c in completions) == [
+        (p, s) for p in range(2) for s in range(3)
+    ]
+    for completion in completions:
+        assert completion.policy_version == served.policy_version
+        tokens = list(completion.token_ids)
+        assert len(tokens) == len(completion.logprobs) == 10
+        expected = reference.logprobs(
+            served.tensors, prompts[completion.prompt_index], tokens, temperature
+        )
+        np.testing.assert_allclose(completion.logprobs, expected, atol=2e-3)
+
+
+def test_stop_token_ends_a_completion(client, served):
+    first = list(client.generate([[5, 6, 7, 8]], max_tokens=6, temperature=0.0))[0]
+    stop = first.token_ids[2]
+    stopped = list(
+        client.generate([[5, 6, 7, 8]], max_tokens=6, temperature=0.0, stop_token_ids=[stop])
+    )[0]
+    assert stopped.finish_reason == "stop"
+    assert list(stopped.token_ids) == list(first.token_ids[: list(first.token_ids).index(stop) + 1])
+
+
+def _request(prompts, **sampling) -> generator_pb2.GenerateRequest:
+    defaults = dict(n=1, temperature=1.0, max_tokens=4)
+    return generator_pb2.GenerateRequest(
+        prompts=[generator_pb2.Prompt(id=f"p{i}", token_ids=p) for i, p in enumerate(prompts)],
+        sampling=generator_pb2.SamplingParams(**{**defaults, **sampling}),
+    )
+
+
+INVALID = {
+    "empty prompt": (_request([[1, 2], []]), "prompt 1 (id 'p1') is empty"),
+    "over the model length": (
+        _request([[1] * 250], max_tokens=10),
+        "prompt 0 (id 'p0') has 250 tokens; with max_tokens 10 that is 260, over the model "
+        "length 256",
+    ),
+    "token out of vocab": (
+        _request([[1, 384]]),
+        "prompt 0 (id 'p0') has token id 384, outside the vocabulary [0, 384)",
+    ),
+    "negative token": (_request([[-1]]), "has token id -1"),
+    "n = 0": (_request([[1]], n=0), "sampling.n must be >= 1, got 0"),
+    "max_tokens = 0": (_request([[1]], max_tokens=0), "sampling.max_tokens must be >= 1"),
+    "no prompts": (_request([]), "the request has no prompts"),
+    "top_p > 1": (_request([[1]], top_p=1.5), "sampling.top_p must be in (0, 1]"),
+    "negative temperature": (_request([[1]], temperature=-1), "sampling.temperature must be >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_request_is_refused_with_a_named_problem(client, case):
+    request, message = INVALID[case]
+    with pytest.raises(grpc.RpcError) as caught:
+        list(client.stub.Generate(request))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in caught.value.details()
+
+
+def test_concurrent_calls_share_the_engine_and_stream_as_they_finish(client):
+    """A short call started during a long one finishes first: one engine, continuous batching."""
+    finished: dict[str, float] = {}
+    long_started = threading.Event()
+
+    def long_call() -> None:
+        stream = client.generate([[5, 6, 7]] * 4, max_tokens=200, ignore_eos=True)
+        long_started.set()
+        list(stream)
+        finished["long"] = time.monotonic()
+
+    def short_call(name: str) -> None:
+        list(client.generate([[9, 10]], max_tokens=3, n=2))
+        finished[name] = time.monotonic()
+
+    long_thread = threading.Thread(target=long_call)
+    long_thread.start()
+    long_started.wait()
+    deadline = time.monotonic() + 30
+    while client.status().num_requests_running < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    short_threads = [threading.Thread(target=short_call, args=(f"s{i}",)) for i in range(3)]
+    for thread in short_threads:
+        thread.start()
+    for thread in [long_thread, *short_threads]:
+        thread.join(timeout=120)
+    assert set(finished) == {"long", "s0", "s1", "s2"}
+    assert all(finished[f"s{i}"] < finished["long"] for i in range(3))
+
+
+def test_health_and_reflection(generator_server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    with grpc.insecure_channel(generator_server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE_NAME):
+            response = health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert SERVICE_NAME in services and "grpc.health.v1.Health" in services

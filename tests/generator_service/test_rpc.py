@@ -1,0 +1,65 @@
+"""The jaxrlhf.rpc package: generated stubs, its light imports, weight chunking, the CLI guard."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jaxrlhf.rpc import SERVICE_NAME, generator_pb2, iter_weight_chunks
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_contract_names():
+    assert SERVICE_NAME == "jaxrlhf.generator.v1.Generator"
+    methods = generator_pb2.DESCRIPTOR.services_by_name["Generator"].methods_by_name
+    assert {"Generate", "UpdateWeights", "GetStatus"} <= set(methods)
+    assert methods["Generate"].server_streaming and methods["UpdateWeights"].client_streaming
+
+
+def test_rpc_package_imports_neither_vllm_nor_jax_nor_torch():
+    code = (
+        "import sys, jaxrlhf.rpc;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'jax', 'torch')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
+
+
+def test_weight_chunks_split_by_byte_offset_and_keep_bfloat16():
+    embed = np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
+    norm = np.ones(4, np.float32)
+    chunks = list(iter_weight_chunks({"embed": embed, "norm": norm}, 7, chunk_bytes=10))
+    assert {c.policy_version for c in chunks} == {7} and {c.num_tensors for c in chunks} == {2}
+    embed_chunks = [c for c in chunks if c.name == "embed"]
+    assert [c.offset for c in embed_chunks] == [0, 10, 20]
+    assert {c.dtype for c in embed_chunks} == {"bfloat16"}
+    assert list(embed_chunks[0].shape) == [3, 4]
+    data = b"".join(c.data for c in embed_chunks)
+    np.testing.assert_array_equal(np.frombuffer(data, ml_dtypes.bfloat16).reshape(3, 4), embed)
+
+
+def test_cli_refuses_a_non_loopback_address_without_a_token():
+    result = subprocess.run(
+        [sys.executable, "-m", "generator_service", "--model", "unused", "--host", "0.0.0.0"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "requires a shared secret" in result.stderr
+
+
+def test_weight_chunks_from_a_one_pass_iterator_with_a_given_count():
+    arrays = ((f"t{i}", np.full(3, i, np.float16)) for i in range(4))
+    chunks = list(iter_weight_chunks(arrays, 2, num_tensors=4))
+    assert [c.name for c in chunks] == ["t0", "t1", "t2", "t3"]
+    assert {c.num_tensors for c in chunks} == {4}

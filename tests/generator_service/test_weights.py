@@ -1,0 +1,182 @@
+"""Fast checks of update assembly and staging (no engine): every malformed-stream rule."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from generator_service.weights import (
+    TensorSpec,
+    WeightAssembler,
+    WeightUpdateError,
+    expected_tensors,
+    write_safetensors,
+)
+
+SPECS = {
+    "model.embed_tokens.weight": TensorSpec("model.embed_tokens.weight", (6, 4), "F32"),
+    "model.norm.weight": TensorSpec("model.norm.weight", (4,), "F32"),
+}
+
+
+def chunk(name, data, offset=0, version=1, num_tensors=2, dtype="float32", shape=None):
+    shape = SPECS[name].shape if shape is None and name in SPECS else (shape or ())
+    return dict(
+        policy_version=version,
+        num_tensors=num_tensors,
+        name=name,
+        dtype=dtype,
+        shape=shape,
+        offset=offset,
+        data=data,
+    )
+
+
+def arrays():
+    rng = np.random.default_rng(0)
+    return {name: rng.normal(size=spec.shape).astype(np.float32) for name, spec in SPECS.items()}
+
+
+def assemble(chunks, current_version=0):
+    assembler = WeightAssembler(SPECS, current_version)
+    for item in chunks:
+        assembler.add(**item)
+    return assembler.finish()
+
+
+def refused(chunks, current_version=0) -> WeightUpdateError:
+    with pytest.raises(WeightUpdateError) as caught:
+        assemble(chunks, current_version)
+    return caught.value
+
+
+def test_chunks_in_any_order_reassemble_exactly(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    values = arrays()
+    embed = values["model.embed_tokens.weight"].tobytes()
+    norm = values["model.norm.weight"].astype(np.float16).tobytes()
+    chunks = [
+        chunk("model.embed_tokens.weight", embed[40:], offset=40),
+        chunk("model.norm.weight", norm, dtype="float16"),
+        chunk("model.embed_tokens.weight", embed[:40]),
+    ]
+    tensors = assemble(chunks)
+    path = tmp_path / "model.safetensors"
+    size = write_safetensors(path, tensors)
+    assert size == path.stat().st_size
+    loaded = load_file(path)
+    assert loaded["model.norm.weight"].dtype == torch.float16
+    np.testing.assert_array_equal(
+        loaded["model.embed_tokens.weight"].numpy(), values["model.embed_tokens.weight"]
+    )
+    np.testing.assert_array_equal(
+        loaded["model.norm.weight"].numpy(), values["model.norm.weight"].astype(np.float16)
+    )
+
+
+def test_expected_tensors_reads_sharded_index(tmp_path):
+    from safetensors.numpy import save_file
+
+    values = arrays()
+    save_file({"model.norm.weight": values["model.norm.weight"]}, tmp_path / "a.safetensors")
+    save_file(
+        {"model.embed_tokens.weight": values["model.embed_tokens.weight"]},
+        tmp_path / "b.safetensors",
+    )
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"model.norm.weight": "a.safetensors", '
+        '"model.embed_tokens.weight": "b.safetensors"}}'
+    )
+    assert expected_tensors(tmp_path) == SPECS
+
+
+def whole(name, version=1, num_tensors=2, dtype="float32"):
+    nbytes = int(np.prod(SPECS[name].shape)) * (4 if dtype == "float32" else 2)
+    return chunk(name, bytes(nbytes), version=version, num_tensors=num_tensors, dtype=dtype)
+
+
+EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"
+CASES = {
+    "stale version": (
+        [whole(EMBED, version=3), whole(NORM, version=3)],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "not newer than the served version 3",
+    ),
+    "unknown name": (
+        [chunk("model.bogus.weight", b"\0" * 4, shape=(1,))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown tensor 'model.bogus.weight'",
+    ),
+    "tied lm_head": (
+        [chunk("lm_head.weight", b"\0" * 96, shape=(6, 4))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "ties it to model.embed_tokens.weight",
+    ),
+    "wrong shape": (
+        [chunk(EMBED, b"\0" * 96, shape=(4, 6))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tensor model.embed_tokens.weight has shape [4, 6], expected [6, 4]",
+    ),
+    "wrong dtype": (
+        [chunk(EMBED, b"\0" * 24, dtype="int8")],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "dtype 'int8' is not one of",
+    ),
+    "num_tensors not the model's": (
+        [whole(EMBED, num_tensors=1)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "num_tensors is 1 but the served model has 2",
+    ),
+    "version changes mid-stream": (
+        [whole(EMBED), whole(NORM, version=2)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "every chunk of one update must carry the same values",
+    ),
+    "dtype changes within a tensor": (
+        [chunk(EMBED, b"\0" * 8), chunk(EMBED, b"\0" * 8, offset=8, dtype="float16")],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "earlier chunks of this tensor had float32",
+    ),
+    "duplicated tensor": (
+        [whole(EMBED), whole(NORM), whole(EMBED)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "model.embed_tokens.weight: bytes [0, 96) were already received: duplicated",
+    ),
+    "overlapping chunk": (
+        [chunk(EMBED, b"\0" * 48), chunk(EMBED, b"\0" * 48, offset=40)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "bytes [40, 88) were already received",
+    ),
+    "over-long data": (
+        [chunk(EMBED, b"\0" * 100)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "past the tensor's 96 bytes (float32 [6, 4]): over-long data",
+    ),
+    "empty chunk": (
+        [chunk(EMBED, b"")],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "carries no data",
+    ),
+    "truncated tensor": (
+        [chunk(EMBED, b"\0" * 90), whole(NORM)],
+        grpc.StatusCode.DATA_LOSS,
+        "model.embed_tokens.weight (received 90 of 96 bytes)",
+    ),
+    "missing tensor": (
+        [whole(EMBED)],
+        grpc.StatusCode.DATA_LOSS,
+        "1 never started: model.norm.weight",
+    ),
+    "empty stream": ([], grpc.StatusCode.INVALID_ARGUMENT, "the weight stream was empty"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_malformed_stream_is_refused_with_a_named_problem(case):
+    chunks, code, message = CASES[case]
+    error = refused(chunks, current_version=3 if case == "stale version" else 0)
+    assert error.code == code
+    assert message in error.message
