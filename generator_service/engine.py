@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,15 +176,23 @@ class GeneratorEngine:
         )
 
     async def generate(
-        self, prompts: Sequence[tuple[str, Sequence[int]]], sampling: Sampling
+        self,
+        prompts: Sequence[tuple[str, Sequence[int]]],
+        sampling: Sampling,
+        on_admitted: Callable[[int], Awaitable[None]] | None = None,
     ) -> AsyncIterator[Sample]:
-        """Yields samples in finishing order; call `validate` first."""
+        """Yields samples in finishing order; call `validate` first.
+
+        `on_admitted(version)` runs once the call holds the gate and its requests are queued.
+        """
         params = self._sampling_params(sampling)
         queue: asyncio.Queue[Sample | None] = asyncio.Queue()
         call_id = uuid.uuid4().hex
 
         async def run_call() -> None:
-            async with self._gate.read():
+            seeded = sampling.seed is not None
+            # A seeded call runs alone, so that nothing else draws from the re-seeded RNG.
+            async with self._gate.write() if seeded else self._gate.read():
                 if not self.serving:
                     raise GenerateError(
                         grpc.StatusCode.UNAVAILABLE,
@@ -192,15 +200,32 @@ class GeneratorEngine:
                         "send a complete weight update",
                     )
                 version = self.policy_version
-                async with asyncio.TaskGroup() as group:
-                    for prompt_index, (prompt_id, token_ids) in enumerate(prompts):
-                        for sample_index in range(sampling.n):
-                            group.create_task(
-                                self._run_request(
-                                    queue, params, call_id, version,
-                                    prompt_index, prompt_id, list(token_ids), sample_index,
-                                )
-                            )  # fmt: skip
+                if seeded:
+                    # Requests queue while the scheduler is paused and are admitted together
+                    # on resume: the same batches every time, drawing from a re-seeded RNG.
+                    await self._llm.pause_generation(mode="keep", clear_cache=False)
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        for prompt_index, (prompt_id, token_ids) in enumerate(prompts):
+                            for sample_index in range(sampling.n):
+                                group.create_task(
+                                    self._run_request(
+                                        queue, params, call_id, version,
+                                        prompt_index, prompt_id, list(token_ids), sample_index,
+                                    )
+                                )  # fmt: skip
+                        if seeded:
+                            await self._wait_admitted(len(prompts) * sampling.n)
+                            await self._llm.collective_rpc(
+                                "jaxrlhf_reseed", kwargs={"seed": sampling.seed % (1 << 63)}
+                            )
+                            await self._llm.resume_generation()
+                            seeded = False
+                        if on_admitted is not None:
+                            await on_admitted(version)
+                finally:
+                    if seeded:
+                        await self._llm.resume_generation()
 
         runner = asyncio.create_task(run_call())
         runner.add_done_callback(lambda _: queue.put_nowait(None))
@@ -214,6 +239,14 @@ class GeneratorEngine:
             if not runner.done():
                 runner.cancel()
                 await asyncio.gather(runner, return_exceptions=True)
+
+    async def _wait_admitted(self, count: int, timeout: float = 60.0) -> None:
+        """Waits until `count` requests are queued in the engine."""
+        deadline = time.monotonic() + timeout
+        while self._llm.output_processor.get_num_unfinished_requests() < count:
+            if time.monotonic() > deadline:
+                raise GenerateError(grpc.StatusCode.INTERNAL, "requests were not admitted")
+            await asyncio.sleep(0.002)
 
     async def _run_request(
         self,
@@ -261,7 +294,9 @@ class GeneratorEngine:
             )
         )
 
-    async def swap_weights(self, tensors: list[AssembledTensor], policy_version: int) -> float:
+    async def swap_weights(
+        self, tensors: list[AssembledTensor], policy_version: int, allow_rollback: bool = False
+    ) -> float:
         """Loads a validated, complete set of tensors as `policy_version`; returns pause seconds.
 
         The tensors are staged as one safetensors file while generation goes on; only the
@@ -283,12 +318,12 @@ class GeneratorEngine:
                     grpc.StatusCode.RESOURCE_EXHAUSTED, f"could not stage the update: {error}"
                 ) from error
             async with self._gate.write():
-                return await self._reload(staging, policy_version)
+                return await self._reload(staging, policy_version, allow_rollback)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
-    async def _reload(self, staging: str, policy_version: int) -> float:
-        if policy_version <= self.policy_version:
+    async def _reload(self, staging: str, policy_version: int, allow_rollback: bool) -> float:
+        if policy_version <= self.policy_version and not allow_rollback:
             raise WeightUpdateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"policy_version {policy_version} is not newer than the served version "

@@ -34,6 +34,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    seed: int | None = None  # set: reproducible call (see GenerateRequest.seed)
 
 
 def _invalid(message: str) -> GenerateError:

@@ -25,6 +25,8 @@ from jaxrlhf.rpc.client import CHANNEL_OPTIONS
 logger = logging.getLogger(__name__)
 
 READY_LINE = "GENERATOR_SERVICE_READY"
+# Initial metadata of every Generate call, sent once the call is admitted between weight swaps.
+ADMITTED_VERSION_HEADER = "x-jaxrlhf-policy-version"
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,16 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             stop_token_ids=tuple(options.stop_token_ids),
             ignore_eos=options.ignore_eos,
             min_tokens=options.min_tokens,
+            seed=request.seed if request.HasField("seed") else None,
         )
         try:
             self._engine.validate(prompts, sampling)
-            async for sample in self._engine.generate(prompts, sampling):
+
+            async def admitted(version: int) -> None:
+                # Tells the client the call is in, and on which version, before any completion.
+                await context.send_initial_metadata(((ADMITTED_VERSION_HEADER, str(version)),))
+
+            async for sample in self._engine.generate(prompts, sampling, admitted):
                 yield generator_pb2.Completion(
                     prompt_id=sample.prompt_id,
                     sample_index=sample.sample_index,
@@ -91,9 +99,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                         chunk.shape,
                         chunk.offset,
                         chunk.data,
+                        chunk.allow_rollback,
                     )
                 tensors = assembler.finish()
-                pause_seconds = await self._engine.swap_weights(tensors, assembler.policy_version)
+                pause_seconds = await self._engine.swap_weights(
+                    tensors, assembler.policy_version, assembler.allow_rollback
+                )
             except WeightUpdateError as error:
                 logger.warning("weight update refused: %s", error.message)
                 await context.abort(error.code, error.message)

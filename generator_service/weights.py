@@ -141,6 +141,7 @@ class WeightAssembler:
         self.current_version = current_version
         self.policy_version: int | None = None
         self.num_tensors: int | None = None
+        self.allow_rollback = False
         self.num_chunks = 0
         self.num_bytes = 0
         self._tensors: dict[str, _PartialTensor] = {}
@@ -154,16 +155,22 @@ class WeightAssembler:
         shape: Iterable[int],
         offset: int,
         data: bytes,
+        allow_rollback: bool = False,
     ) -> None:
         """Checks one chunk and copies its bytes; raises WeightUpdateError on the first problem."""
         self.num_chunks += 1
         where = f"chunk {self.num_chunks} (tensor {name or '<unnamed>'})"
         if self.policy_version is None:
-            self._check_header(policy_version, num_tensors)
-        elif policy_version != self.policy_version or num_tensors != self.num_tensors:
+            self._check_header(policy_version, num_tensors, allow_rollback)
+        elif (policy_version, num_tensors, allow_rollback) != (
+            self.policy_version,
+            self.num_tensors,
+            self.allow_rollback,
+        ):
             raise _invalid(
-                f"{where} has policy_version {policy_version} and num_tensors {num_tensors}; "
-                f"the stream started with {self.policy_version} and {self.num_tensors}: "
+                f"{where} has policy_version {policy_version}, num_tensors {num_tensors}, "
+                f"allow_rollback {allow_rollback}; the stream started with "
+                f"{self.policy_version}, {self.num_tensors}, {self.allow_rollback}: "
                 "every chunk of one update must carry the same values"
             )
         partial = self._tensors.get(name)
@@ -179,8 +186,8 @@ class WeightAssembler:
         partial.add(offset, data)
         self.num_bytes += len(data)
 
-    def _check_header(self, policy_version: int, num_tensors: int) -> None:
-        if policy_version <= self.current_version:
+    def _check_header(self, policy_version: int, num_tensors: int, allow_rollback: bool) -> None:
+        if policy_version <= self.current_version and not allow_rollback:
             raise WeightUpdateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"policy_version {policy_version} is not newer than the served version "
@@ -193,6 +200,7 @@ class WeightAssembler:
             )
         self.policy_version = policy_version
         self.num_tensors = num_tensors
+        self.allow_rollback = allow_rollback
 
     def _start_tensor(
         self, where: str, name: str, dtype: str, shape: tuple[int, ...]

@@ -40,6 +40,10 @@ def refresh_tied_heads(model: torch.nn.Module) -> int:
 class WeightReloadExtension:
     """Mixed into the vLLM worker class; `self` is the worker."""
 
+    def jaxrlhf_reseed(self, seed: int) -> None:
+        """Re-seeds the RNG the sampler draws from (requests carry no generator of their own)."""
+        torch.manual_seed(seed)
+
     def jaxrlhf_reload_weights(self, weights_path: str) -> int:
         """Reloads every checkpoint tensor in `weights_path` in place; returns tied heads fixed."""
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)

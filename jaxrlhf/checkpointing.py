@@ -32,6 +32,9 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def due(self, step: int) -> bool:
+        return self.manager.should_save(step)
+
     def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = False) -> bool:
         """Saves if `step` is due (or `force`); returns whether a save was started."""
         return self.manager.save(

@@ -39,6 +39,9 @@ def base_config() -> ml_collections.ConfigDict:
         max_prompt_tokens=64,
         max_response_tokens=16,
         weight_sync_dtype="",  # "" = the learner's dtype
+        # Seeded generation calls: batch i's samples depend only on (seed, i, weights), so a
+        # resumed run regenerates exactly; each call then runs alone on its replica.
+        seeded=True,
     )
     c.loss = "online_dpo"  # a name from jaxrlhf.losses.LOSSES
     c.loss_params = dict(
@@ -71,7 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = dict(at_start=True, at_end=True, every=0)
     c.generator = dict(
         addresses="",  # "host:port[,host:port...]"; "" = start one locally
-        auth_token_env="JAXRLHF_GENERATOR_TOKEN",
+        auth_token_env="JAXRLHF_GENERATOR_AUTH_TOKEN",
         dtype="float32",
         max_model_len=256,
         seed=0,

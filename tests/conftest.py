@@ -38,3 +38,32 @@ def smollm2() -> Path:
     from jaxrlhf.models.smollm2 import smollm2_path
 
     return smollm2_path(TEST_CACHE / "SmolLM2-135M-Instruct")
+
+
+MAX_MODEL_LEN = 256
+
+
+def start_test_server(model_dir, log_path, extra_args=(), env=None):
+    """`python -m generator_service` on a free loopback port, fp32, small KV cache."""
+    from jaxrlhf.rl.service import start_server
+
+    args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
+    return start_server(
+        model_dir,
+        log_path,
+        [*args, *extra_args],
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
+    )
+
+
+@pytest.fixture(scope="session")
+def generator_server(tiny_llama, tmp_path_factory):
+    """The suite's one shared generator (vllm-cpu) serving `tiny_llama`, started once."""
+    server = start_test_server(tiny_llama, tmp_path_factory.mktemp("generator") / "server.log")
+    yield server
+    server.terminate()
+
+
+@pytest.fixture(scope="session")
+def generator_address(generator_server) -> str:
+    return generator_server.address

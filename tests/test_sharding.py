@@ -9,8 +9,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxrlhf.models import load_pretrained, logprobs_from_logits
+from jaxrlhf.models import load_pretrained
 from jaxrlhf.sharding import logical_to_spec, make_mesh, shard_batch
+from jaxrlhf.stages.sft import nll_loss
 from jaxrlhf.train_state import (
     build_train_step,
     create_train_state,
@@ -18,17 +19,6 @@ from jaxrlhf.train_state import (
     state_shardings,
 )
 from tests.conftest import tiny_model
-
-
-def nll_loss(model):
-    def loss_fn(params, batch):
-        logits = model.apply({"params": params}, batch["input_ids"], batch["attention_mask"])
-        logp = logprobs_from_logits(logits[:, :-1], batch["input_ids"][:, 1:])
-        mask = batch["attention_mask"][:, 1:]
-        loss = -(logp * mask).sum() / mask.sum()
-        return loss, {"tokens": mask.sum()}
-
-    return loss_fn
 
 
 def sharding_model():
@@ -43,6 +33,7 @@ def make_batch():
         "attention_mask": np.ones((8, 16), np.int32),
     }
     batch["attention_mask"][::2, :4] = 0
+    batch["loss_mask"] = batch["attention_mask"][:, 1:].astype(np.float32)
     return batch
 
 

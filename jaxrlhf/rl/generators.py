@@ -78,14 +78,40 @@ class GeneratorPool:
     def wait_until_serving(self, timeout: float = 600.0) -> list[generator_pb2.GeneratorStatus]:
         return [client.wait_until_serving(timeout) for client in self.clients]
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[Sample]:
-        """Splits prompts into contiguous slices, one per replica, generated concurrently."""
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: dict[str, Any],
+        on_admitted: Callable[[], None] | None = None,
+    ) -> list[Sample]:
+        """Splits prompts into contiguous slices, one per replica, generated concurrently.
+
+        `on_admitted()` runs once every replica has admitted its call (the server says so in
+        the call's initial metadata, before any completion), i.e. once the weight version of
+        every sample of this batch is fixed.
+        """
         per = -(-len(prompts) // len(self.clients))
         slices = [(i * per, prompts[i * per : (i + 1) * per]) for i in range(len(self.clients))]
+        slices = [(offset, part) for offset, part in slices if part]
+        pending = [len(slices)]
+        lock = threading.Lock()
+
+        def admitted() -> None:
+            with lock:
+                pending[0] -= 1
+                if pending[0] == 0 and on_admitted is not None:
+                    on_admitted()
 
         def run(client: GeneratorClient, offset: int, part: Sequence[Sequence[int]]):
+            options = dict(sampling)
+            if options.get("seed") is not None:  # distinct, reproducible streams per replica
+                options["seed"] += 7919 * (offset // per)
+
             def call():
-                return list(client.generate([list(p) for p in part], **sampling))
+                stream = client.generate([list(p) for p in part], **options)
+                stream.initial_metadata()  # returns once the server admitted the call
+                admitted()
+                return list(stream)
 
             completions, _ = self._with_retries(client.target, call)
             return [
@@ -102,8 +128,7 @@ class GeneratorPool:
 
         futures = [
             self._pool.submit(run, client, offset, part)
-            for client, (offset, part) in zip(self.clients, slices, strict=True)
-            if part
+            for client, (offset, part) in zip(self.clients, slices, strict=False)
         ]
         samples = [s for f in futures for s in f.result()]
         return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
@@ -113,12 +138,17 @@ class GeneratorPool:
         tensor_stream: Callable[[], Iterator[tuple[str, Any]]],
         num_tensors: int,
         policy_version: int,
+        allow_rollback: bool = False,
     ) -> PublishStats:
-        """Sends one stream of tensors to every replica as `policy_version`; returns on swap."""
+        """Sends one stream of tensors to every replica as `policy_version`; returns on swap.
+
+        `allow_rollback`: replicas accept a version not newer than theirs (resuming a run)."""
         started = time.perf_counter()
         for attempt in range(1, self.retries + 2):
             try:
-                responses = self._broadcast(tensor_stream, num_tensors, policy_version)
+                responses = self._broadcast(
+                    tensor_stream, num_tensors, policy_version, allow_rollback
+                )
                 break
             except grpc.RpcError as error:
                 if error.code() not in RETRYABLE or attempt > self.retries:
@@ -134,9 +164,9 @@ class GeneratorPool:
             attempts=attempt,
         )
 
-    def _broadcast(self, tensor_stream, num_tensors: int, policy_version: int):
+    def _broadcast(self, tensor_stream, num_tensors: int, policy_version: int, allow_rollback):
         chunks = iter_weight_chunks(
-            tensor_stream(), policy_version, self.chunk_bytes, num_tensors=num_tensors
+            tensor_stream(), policy_version, self.chunk_bytes, num_tensors, allow_rollback
         )
         if len(self.clients) == 1:
             client = self.clients[0]

@@ -16,8 +16,8 @@ sample carries the version the service tagged it with.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,10 +53,34 @@ class Rollout:
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.samples)
 
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Rollout:
+        prompts = [PromptItem(p["id"], tuple(p["token_ids"]), p["answer"]) for p in data["prompts"]]
+        samples = [
+            Sample(**{**s, "token_ids": tuple(s["token_ids"]), "logprobs": tuple(s["logprobs"])})
+            for s in data["samples"]
+        ]
+        return cls(
+            data["batch_index"],
+            prompts,
+            samples,
+            data["required_version"],
+            data["generate_seconds"],
+        )
+
 
 class GenerationBackend(Protocol):
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: dict[str, Any]) -> list[Sample]:
-        """All completions for `prompts` (n per prompt), prompt-major order."""
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: dict[str, Any],
+        on_admitted: Callable[[], None] | None = None,
+    ) -> list[Sample]:
+        """All completions for `prompts` (n per prompt), prompt-major order; `on_admitted` runs
+        once the weight version of the batch is fixed."""
 
 
 class RolloutProducer:
@@ -76,6 +100,8 @@ class RolloutProducer:
         published_version: int,
         end_batch: int,
         base_version: int = 0,
+        generation_seed: int | None = None,
+        pending: Sequence[Rollout] = (),
     ):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
@@ -84,12 +110,17 @@ class RolloutProducer:
         self._sampling = dict(sampling)
         self.max_staleness = max_staleness
         self.base_version = base_version
-        self._next_batch = start_batch
+        self.generation_seed = generation_seed
+        # `pending`: batches generated before a checkpoint and not trained on yet (restored).
+        self._ready: collections.deque[Rollout] = collections.deque(pending)
+        self._next_batch = start_batch + len(self._ready)
+        self._admitted = self._next_batch  # batches before this one are admitted
         self._end_batch = end_batch
         self._published = published_version
         self._cond = threading.Condition()
-        self._ready: queue.Queue[Rollout | BaseException] = queue.Queue()
+        self._error: BaseException | None = None
         self._stopped = False
+        self._failed = False
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -103,12 +134,57 @@ class RolloutProducer:
             self._published = max(self._published, version)
             self._cond.notify_all()
 
+    def wait_admitted(self) -> None:
+        """Blocks until every batch that may run on the published weights has been admitted.
+
+        Called before publishing new weights, so that which version a batch runs on depends on
+        the schedule alone, never on a race between the producer thread and the learner.
+        """
+        with self._cond:
+            self._cond.wait_for(
+                lambda: (
+                    self._stopped
+                    or self._failed
+                    or self._admitted >= self._end_batch
+                    or self.required_version(self._admitted) > self._published
+                )
+            )
+
+    def _mark_admitted(self, index: int) -> None:
+        with self._cond:
+            self._admitted = max(self._admitted, index + 1)
+            self._cond.notify_all()
+
     def next(self, timeout: float | None = None) -> Rollout:
         """The next batch in order; re-raises a failure of the producer thread."""
-        item = self._ready.get(timeout=timeout)
-        if isinstance(item, BaseException):
-            raise RuntimeError(f"rollout generation failed: {item}") from item
-        return item
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready or self._failed, timeout):
+                raise TimeoutError(f"no rollout batch within {timeout}s")
+            if self._ready:
+                return self._ready.popleft()
+            raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
+
+    def snapshot(self, version: int) -> list[Rollout]:
+        """The generated batches not trained on yet, for a checkpoint at learner `version`.
+
+        Waits until every batch that runs on weights older than `version` is complete: those
+        weights are not in the checkpoint, so a resumed run must get these batches from it.
+        (Later batches are regenerated exactly from the checkpoint's weights and seeds.)
+        """
+        with self._cond:
+
+            def complete() -> bool:
+                done = self._next_batch
+                return (
+                    self._failed
+                    or done >= self._end_batch
+                    or self.required_version(done) >= version
+                )
+
+            self._cond.wait_for(complete)
+            if self._failed:
+                raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
+            return list(self._ready)
 
     def close(self) -> None:
         with self._cond:
@@ -128,8 +204,16 @@ class RolloutProducer:
                     if self._stopped:
                         return
                 prompts = self._prompts_for_batch(index)
+                sampling = dict(self._sampling)
+                if self.generation_seed is not None:
+                    # Reproducible batches: the sample depends on (seed, batch), not on history.
+                    sampling["seed"] = self.generation_seed * 1_000_003 + index
                 started = time.perf_counter()
-                samples = self._backend.generate([p.token_ids for p in prompts], self._sampling)
+                samples = self._backend.generate(
+                    [p.token_ids for p in prompts],
+                    sampling,
+                    on_admitted=lambda index=index: self._mark_admitted(index),
+                )
                 elapsed = time.perf_counter() - started
                 stale = [s.policy_version for s in samples if s.policy_version < required]
                 if stale:
@@ -137,7 +221,12 @@ class RolloutProducer:
                         f"batch {index} needs policy version >= {required} but the generator "
                         f"answered with version {min(stale)}"
                     )
-                self._ready.put(Rollout(index, prompts, samples, required, elapsed))
-                self._next_batch += 1
+                with self._cond:
+                    self._ready.append(Rollout(index, prompts, samples, required, elapsed))
+                    self._next_batch += 1
+                    self._cond.notify_all()
         except BaseException as error:  # noqa: BLE001 - handed to the learner thread
-            self._ready.put(error)
+            with self._cond:
+                self._error = error
+                self._failed = True
+                self._cond.notify_all()

@@ -33,7 +33,7 @@ from jaxrlhf.rl.generators import GeneratorPool
 from jaxrlhf.rl.metrics import MetricsWriter
 from jaxrlhf.rl.objectives import StepInputs, build_objective, value_estimates
 from jaxrlhf.rl.rewards import apply_eos_penalty
-from jaxrlhf.rl.rollout import PromptItem, RolloutProducer
+from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer
 from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import activate, make_mesh, shard_batch
 from jaxrlhf.train_state import (
@@ -147,12 +147,13 @@ def evaluate_greedy(pool: GeneratorPool, task: Task, max_tokens: int) -> float:
     return float(np.mean(scores))
 
 
-def publish(learner: Learner, pool: GeneratorPool, version: int, dtype: str | None):
+def publish(learner: Learner, pool: GeneratorPool, version: int, dtype: str | None, rollback=False):
     policy_params = learner.state.params["policy"]
     specs = hf_tensor_specs(learner.policy, policy_params, dtype)
     return pool.publish_weights(
-        lambda: iter_hf_tensors(learner.policy, policy_params, dtype), len(specs), version
-    )
+        lambda: iter_hf_tensors(learner.policy, policy_params, dtype), len(specs), version,
+        allow_rollback=rollback,
+    )  # fmt: skip
 
 
 def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> RunResult:
@@ -169,24 +170,23 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
     # step i's update publishes base_version + i + 1.
     serving = max(status.policy_version for status in pool.wait_until_serving())
     start_step, base_version, version = 0, serving, serving
+    pending: list[Rollout] = []
     if cfg.resume and checkpointer.latest_step() is not None:
         learner.state, meta = checkpointer.restore(None, learner.state)
         start_step, base_version = meta["step"], meta["base_version"]
         version = meta["policy_version"]
+        pending = [Rollout.from_json(r) for r in meta["pending_rollouts"]]
         log(f"resumed from step {start_step} (policy version {version})")
-        if serving >= version:
-            raise RuntimeError(
-                f"the generator already serves version {serving} >= the checkpoint's {version}: "
-                "restart the generator service (it holds weights newer than the checkpoint)"
-            )
-    elif cfg.resume:
-        log("resume requested but no checkpoint found: starting fresh")
-    if version != serving or serving > 0 and start_step == 0:
-        # The generator does not serve this run's weights yet (a resumed run, or a server that
-        # an earlier run updated): publish them first.
-        if start_step == 0:
+        # The generator may have kept serving weights published after the checkpoint: roll it
+        # back to the checkpoint's weights under the checkpoint's version.
+        publish(learner, pool, version, sync_dtype, rollback=True)
+    else:
+        if cfg.resume:
+            log("resume requested but no checkpoint found: starting fresh")
+        if serving > 0:
+            # The generator serves weights of an earlier run: publish this run's initial ones.
             base_version = version = serving + 1
-        publish(learner, pool, version, sync_dtype)
+            publish(learner, pool, version, sync_dtype)
     writer = MetricsWriter(out, cfg.total_steps, start_step, resume=start_step > 0)
     eval_tokens = cfg.rollout.max_response_tokens
     eval_start = None
@@ -202,6 +202,8 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
         published_version=version,
         end_batch=cfg.total_steps,
         base_version=base_version,
+        generation_seed=cfg.seed if cfg.rollout.seeded else None,
+        pending=pending,
     )
     started = time.perf_counter()
     records = []
@@ -215,14 +217,19 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
                 record["eval_accuracy"] = evaluate_greedy(pool, task, eval_tokens)
             writer.write(step + 1, record)
             records.append({"step": step + 1, **record})
-            meta = {
-                "step": step + 1,
-                "policy_version": version,
-                "base_version": base_version,
-                "seed": cfg.seed,
-            }
-            checkpointer.save(step + 1, learner.state, meta,
-                              force=step + 1 == cfg.total_steps)  # fmt: skip
+            last = step + 1 == cfg.total_steps
+            if last or checkpointer.due(step + 1):
+                meta = {
+                    "step": step + 1,
+                    "policy_version": version,
+                    "base_version": base_version,
+                    "seed": cfg.seed,
+                    # Batches generated on older weights and not trained on yet (async mode).
+                    "pending_rollouts": [] if last else [
+                        r.to_json() for r in producer.snapshot(version)
+                    ],
+                }  # fmt: skip
+                checkpointer.save(step + 1, learner.state, meta, force=True)
     finally:
         producer.close()
         writer.close()
@@ -292,6 +299,7 @@ def train_one_step(
     sync_s = 0.0
     updates = version - base_version
     if updates % cfg.sync_every == 0 or updates == cfg.total_steps:
+        producer.wait_admitted()
         stats = publish(learner, pool, version, sync_dtype)
         producer.publish(version)
         sync_s = stats.seconds

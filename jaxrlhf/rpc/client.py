@@ -48,6 +48,7 @@ def iter_weight_chunks(
     policy_version: int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     num_tensors: int | None = None,
+    allow_rollback: bool = False,
 ) -> Iterator[generator_pb2.WeightChunk]:
     """Splits named arrays into `WeightChunk`s of at most `chunk_bytes` data each.
 
@@ -70,6 +71,7 @@ def iter_weight_chunks(
             yield generator_pb2.WeightChunk(
                 policy_version=policy_version,
                 num_tensors=num_tensors,
+                allow_rollback=allow_rollback,
                 name=name,
                 dtype=dtype_name,
                 shape=shape,
@@ -124,6 +126,7 @@ class GeneratorClient:
         ignore_eos: bool = False,
         min_tokens: int = 0,
         timeout: float | None = None,
+        seed: int | None = None,
     ) -> Iterator[generator_pb2.Completion]:
         """Streams completions as they finish; plain token lists get ids "0", "1", ..."""
         prompt_messages = [
@@ -144,6 +147,7 @@ class GeneratorClient:
                 ignore_eos=ignore_eos,
                 min_tokens=min_tokens,
             ),
+            seed=seed,
         )
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 

@@ -7,12 +7,6 @@ it serves, so that tests can compare its outputs with transformers on the same w
 
 from __future__ import annotations
 
-import ctypes
-import os
-import signal
-import subprocess
-import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,85 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MAX_MODEL_LEN = 256
-SERVER_START_TIMEOUT = 300.0
-READY_LINE = "GENERATOR_SERVICE_READY"
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it if the test process dies (no orphan servers)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass
-class ServerProcess:
-    process: subprocess.Popen
-    address: str
-    log_path: Path
-
-    def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def terminate(self, timeout: float = 60.0) -> int:
-        """SIGTERM, then wait; returns the exit code (kills it if it overstays)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise
-
-
-def start_server(
-    model_dir: Path, log_path: Path, extra_args: list[str] = (), env: dict | None = None
-) -> ServerProcess:
-    """Starts the server and waits for its ready line (the engine is up, the port bound)."""
-    command = [
-        sys.executable, "-m", "generator_service",
-        "--model", str(model_dir),
-        "--port", "0",
-        "--dtype", "float32",
-        "--max-model-len", str(MAX_MODEL_LEN),
-        "--seed", "0",
-        *extra_args,
-    ]  # fmt: skip
-    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
-    log = open(log_path, "w")  # noqa: SIM115 - the child owns it until exit
-    process = subprocess.Popen(
-        command,
-        cwd=REPO_ROOT,
-        env=full_env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        preexec_fn=_die_with_parent,
-    )
-    log.close()
-    server = ServerProcess(process, "", log_path)
-    deadline = time.monotonic() + SERVER_START_TIMEOUT
-    while time.monotonic() < deadline:
-        for line in log_path.read_text(errors="replace").splitlines():
-            if line.startswith(READY_LINE):
-                server.address = line.split()[1]
-                return server
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"generator server exited ({process.returncode}):\n{server.log_tail()}"
-            )
-        time.sleep(0.5)
-    server.terminate()
-    raise TimeoutError(
-        f"generator server not ready in {SERVER_START_TIMEOUT}s:\n{server.log_tail()}"
-    )
+from tests.conftest import start_test_server
 
 
 @pytest.fixture(scope="session")
 def start_generator_server():
-    """`start_server` itself, for tests that need a server of their own (auth, TLS, SIGTERM)."""
-    return start_server
+    """Starts a server of a test's own (auth, TLS, SIGTERM), with the suite's settings."""
+    return start_test_server
 
 
 GREEDY_PROMPTS = [[5, 6, 7, 8], [9, 10], [1, 200, 31, 77, 150, 3]]
@@ -124,15 +46,7 @@ class ServedWeights:
 
 
 @pytest.fixture(scope="session")
-def generator_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
-    log_path = tmp_path_factory.mktemp("generator_logs") / "server.log"
-    server = start_server(tiny_llama, log_path)
-    yield server
-    server.terminate()
-
-
-@pytest.fixture(scope="session")
-def client(generator_server: ServerProcess):
+def client(generator_server):
     from jaxrlhf.rpc import GeneratorClient
 
     with GeneratorClient(generator_server.address) as generator_client:

@@ -144,3 +144,18 @@ def test_health_and_reflection(generator_server):
             assert response.status == health_pb2.HealthCheckResponse.SERVING
         services = ProtoReflectionDescriptorDatabase(channel).get_services()
         assert SERVICE_NAME in services and "grpc.health.v1.Health" in services
+
+
+def test_seeded_calls_are_reproducible_and_report_admission(client, served):
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [20, 21]] * 3
+
+    def sample(seed):
+        stream = client.generate(prompts, max_tokens=10, n=2, temperature=1.0, seed=seed)
+        metadata = dict(stream.initial_metadata())
+        completions = list(stream)
+        assert metadata["x-jaxrlhf-policy-version"] == str(served.policy_version)
+        return sorted((c.prompt_index, c.sample_index, tuple(c.token_ids)) for c in completions)
+
+    first, again, other = sample(123), sample(123), sample(124)
+    assert first == again
+    assert first != other
