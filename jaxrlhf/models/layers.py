@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
         scale = logical_param(
             self, "scale", (x.shape[-1],), ("norm",), self.param_dtype, nn.initializers.ones
         )
-        x32 = x.astype(jnp.float32)
+        x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return scale.astype(self.dtype) * x32.astype(self.dtype)
 
@@ -66,11 +66,11 @@ class LayerNorm(nn.Module):
         bias = logical_param(
             self, "bias", (dim,), ("norm",), self.param_dtype, nn.initializers.zeros
         )
-        x32 = x.astype(jnp.float32)
+        x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
         y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+        return (y * scale.astype(y.dtype) + bias.astype(y.dtype)).astype(self.dtype)
 
 
 class Projection(nn.Module):
@@ -136,11 +136,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     rot_dim = 2 * inv_freq.shape[0]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rot/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    # Tables in float32 as transformers computes them, applied in (at least) float32.
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    cos, sin = jnp.cos(angles).astype(acc), jnp.sin(angles).astype(acc)
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    x1, x2 = jnp.split(x_rot.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x_rot.astype(acc), 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = (x_rot.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+    out = (x_rot.astype(acc) * cos + rotated * sin).astype(x.dtype)
     return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
 
 
@@ -158,14 +160,15 @@ def dot_product_attention(
     """softmax(q·kᵀ/√d + bias)·v with grouped-query attention.
 
     q: [B, T, H, D]; k, v: [B, T, KV, D] with H a multiple of KV; bias [B, 1, T, T].
-    Softmax in float32. Returns [B, T, H, D].
+    Softmax in float32 (or wider). Returns [B, T, H, D].
     """
     batch, length, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     groups = heads // kv_heads
     q = q.reshape(batch, length, kv_heads, groups, head_dim)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(head_dim) + bias[:, :, None].astype(jnp.float32)
+    acc = jnp.promote_types(dtype, jnp.float32)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=acc)
+    scores = scores / math.sqrt(head_dim) + bias[:, :, None].astype(acc)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
     return out.reshape(batch, length, heads, head_dim)
