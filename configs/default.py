@@ -13,7 +13,7 @@ def get_config():
     config.loss = "online_dpo"
     config.loss_params.beta = 0.1
     config.rollout.samples_per_prompt = 4
-    config.rollout.prompts_per_batch = 16
-    config.train.learning_rate = 1e-6
-    config.total_steps = 20
+    config.rollout.prompts_per_batch = 8
+    config.train.learning_rate = 3e-6
+    config.total_steps = 8
     return config
