@@ -44,9 +44,7 @@ def test_bad_config_is_rejected_before_work(override, message, tmp_path):
 
 def test_tiny_sft_runs_end_to_end_and_learns(tmp_path):
     out = tmp_path / "run"
-    result = run_main(
-        "--config.stage=sft", f"--config.output_dir={out}", "--config.total_steps=6"
-    )
+    result = run_main("--config.stage=sft", f"--config.output_dir={out}", "--config.total_steps=6")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_nll_end"] < summary["eval_nll_start"]

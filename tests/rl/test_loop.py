@@ -10,15 +10,15 @@ import json
 import numpy as np
 import pytest
 
-from jaxrlhf.config import base_config
+from configs.tiny import get_config as tiny_config
 from jaxrlhf.rl.generators import GeneratorPool
 from jaxrlhf.rl.tasks import arithmetic_task
 from jaxrlhf.rl.trainer import run_rlhf
 
 
 def tiny_rl_config(output_dir, loss, max_staleness, total_steps=3, sync_every=1):
-    config = base_config()
-    config.model.path = "tiny"
+    """configs/tiny.py, shortened, without evaluation."""
+    config = tiny_config()
     config.output_dir = str(output_dir)
     config.loss = loss
     config.max_staleness = max_staleness
@@ -26,12 +26,7 @@ def tiny_rl_config(output_dir, loss, max_staleness, total_steps=3, sync_every=1)
     config.total_steps = total_steps
     config.task.num_train = 32
     config.task.num_eval = 4
-    config.rollout.prompts_per_batch = 4
-    config.rollout.samples_per_prompt = 2
-    config.rollout.temperature = 1.0
-    config.rollout.max_prompt_tokens = 48
     config.rollout.max_response_tokens = 6
-    config.train.learning_rate = 1e-4
     config.checkpoint.every = 100
     config.eval.at_start = config.eval.at_end = False
     return config
