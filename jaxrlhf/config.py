@@ -61,6 +61,9 @@ def base_config() -> ml_collections.ConfigDict:
     # 0 = synchronous on-policy; 1 = one-step-off asynchronous; N = N versions behind at most.
     c.max_staleness = 1
     c.sync_every = 1  # publish weights every this many updates
+    # The paper's test bed: N mini-batches generated with one policy, then N updates. N > 0 sets
+    # sync_every = N and max_staleness = N - 1 (see `resolve`).
+    c.num_mini_batches = 0
     c.total_steps = 20  # optimizer updates (RLHF) or steps (SFT)
     c.train = dict(
         learning_rate=1e-6,
@@ -92,6 +95,14 @@ class ConfigError(ValueError):
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Applies the shorthands (num_mini_batches) in place; returns the config."""
+    if config.get("num_mini_batches", 0) > 0:
+        config.sync_every = config.num_mini_batches
+        config.max_staleness = config.num_mini_batches - 1
+    return config
 
 
 def validate(config: ml_collections.ConfigDict) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from absl import app, logging
 from ml_collections import config_flags
 
-from jaxrlhf.config import ConfigError, validate
+from jaxrlhf.config import ConfigError, resolve, validate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 
@@ -38,7 +38,7 @@ def main(argv) -> None:
     if config is None:
         raise app.UsageError("--config=configs/NAME.py is required")
     try:
-        validate(config)
+        validate(resolve(config))
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -53,3 +53,13 @@ def test_tiny_sft_runs_end_to_end_and_learns(tmp_path):
     assert np.isfinite([x["loss"] for x in lines]).all()
     assert (out / "hf_export" / "model.safetensors").exists()
     assert (out / "hf_export" / "tokenizer.json").exists()
+
+
+def test_num_mini_batches_is_the_papers_test_bed():
+    from jaxrlhf.config import base_config, resolve, validate
+
+    config = base_config()
+    config.num_mini_batches = 4
+    resolve(config)
+    assert (config.sync_every, config.max_staleness) == (4, 3)
+    validate(config)
