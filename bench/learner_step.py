@@ -72,6 +72,12 @@ def model_flops(config: ModelConfig, batch: int, seq: int) -> float:
     return 6 * n_matmul * tokens + 12 * layers * hd * seq * tokens
 
 
+def layers_block() -> int:
+    from jaxrlhf.models import layers
+
+    return layers.CPU_CONTRACTION_BLOCK
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2", help="smollm2 | llama1b | a HF folder")
@@ -81,7 +87,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--matmul-size", type=int, default=0, help="0 = 2048 on CPU, 8192 else")
     parser.add_argument("--remat", action="store_true")
+    parser.add_argument(
+        "--cpu-contraction-block",
+        type=int,
+        default=None,
+        help="override jaxrlhf.models.layers.CPU_CONTRACTION_BLOCK (0 = one dot per matmul)",
+    )
     args = parser.parse_args()
+    if args.cpu_contraction_block is not None:
+        from jaxrlhf.models import layers
+
+        layers.CPU_CONTRACTION_BLOCK = args.cpu_contraction_block
     mesh = make_mesh((1, -1, 1))
     if args.model == "llama1b":
         model = make_model(LLAMA_1B, args.dtype, remat=args.remat)
@@ -139,6 +155,7 @@ def main() -> None:
         "matmul_tflop_per_s": round(peak / 1e12, 4),
         "matmul_size": size,
         "ratio": round(flops / step_s / peak, 3),
+        "cpu_contraction_block": layers_block(),
     }
     print(json.dumps(result))
 

@@ -28,7 +28,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.resume = False
     # "smollm2" = the packaged SmolLM2-135M-Instruct; "tiny" = a tiny random Llama built
     # locally; otherwise a local Hugging Face folder or a hub name.
-    c.model = dict(path="smollm2", dtype="float32", remat=False)
+    # contraction_block > 0: float32 matmuls summed in blocks (torch's accuracy on CPU, ~1.7x
+    # slower there; see jaxrlhf.models.layers.contract). 0 = one dot per matmul.
+    c.model = dict(path="smollm2", dtype="float32", remat=False, contraction_block=0)
     c.mesh = dict(shape=(1, -1, 1))
     c.distributed = dict(enabled=False, coordinator_address="", num_processes=1, process_id=0)
     c.task = dict(name="arithmetic", num_train=256, num_eval=64)
@@ -110,6 +112,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _require(config.stage in STAGES, f"config.stage={config.stage!r}: must be one of {STAGES}")
     _require(
         config.model.dtype in DTYPES, f"config.model.dtype={config.model.dtype!r}: one of {DTYPES}"
+    )
+    _require(
+        config.model.contraction_block >= 0,
+        f"config.model.contraction_block={config.model.contraction_block}: must be >= 0",
     )
     shape = tuple(config.mesh.shape)
     _require(

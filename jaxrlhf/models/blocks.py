@@ -96,7 +96,9 @@ class Attention(nn.Module):
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
         def proj(out_shape, out_axes, use_bias, name):
-            return Projection(out_shape, ("embed",), out_axes, use_bias, dt, pdt, name=name)(x)
+            return Projection(
+                out_shape, ("embed",), out_axes, use_bias, dt, pdt, cfg.contraction_block, name=name
+            )(x)
 
         if cfg.is_neox:
             qkv = proj((heads, 3, head_dim), ("heads", "qkv", "head_dim"), cfg.qkv_bias, "qkv_proj")
@@ -119,6 +121,7 @@ class Attention(nn.Module):
             cfg.o_bias,
             dt,
             pdt,
+            cfg.contraction_block,
             name="o_proj",
         )(out)
 
@@ -134,11 +137,36 @@ class GatedMLP(nn.Module):
     def __call__(self, x):
         cfg, dt, pdt = self.config, self.dtype, self.param_dtype
         inner = (cfg.intermediate_size,)
-        gate = Projection(inner, ("embed",), ("mlp",), cfg.mlp_bias, dt, pdt, name="gate_proj")(x)
-        up = Projection(inner, ("embed",), ("mlp",), cfg.mlp_bias, dt, pdt, name="up_proj")(x)
+        gate = Projection(
+            inner,
+            ("embed",),
+            ("mlp",),
+            cfg.mlp_bias,
+            dt,
+            pdt,
+            cfg.contraction_block,
+            name="gate_proj",
+        )(x)
+        up = Projection(
+            inner,
+            ("embed",),
+            ("mlp",),
+            cfg.mlp_bias,
+            dt,
+            pdt,
+            cfg.contraction_block,
+            name="up_proj",
+        )(x)
         h = constrain(activation(cfg.hidden_act)(gate) * up, ("batch", "length", "act_mlp"))
         return Projection(
-            (cfg.hidden_size,), ("mlp",), ("embed",), cfg.mlp_bias, dt, pdt, name="down_proj"
+            (cfg.hidden_size,),
+            ("mlp",),
+            ("embed",),
+            cfg.mlp_bias,
+            dt,
+            pdt,
+            cfg.contraction_block,
+            name="down_proj",
         )(h)
 
 
@@ -153,11 +181,25 @@ class PlainMLP(nn.Module):
     def __call__(self, x):
         cfg, dt, pdt = self.config, self.dtype, self.param_dtype
         h = Projection(
-            (cfg.intermediate_size,), ("embed",), ("mlp",), True, dt, pdt, name="up_proj"
+            (cfg.intermediate_size,),
+            ("embed",),
+            ("mlp",),
+            True,
+            dt,
+            pdt,
+            cfg.contraction_block,
+            name="up_proj",
         )(x)
         h = constrain(activation(cfg.hidden_act)(h), ("batch", "length", "act_mlp"))
         return Projection(
-            (cfg.hidden_size,), ("mlp",), ("embed",), True, dt, pdt, name="down_proj"
+            (cfg.hidden_size,),
+            ("mlp",),
+            ("embed",),
+            True,
+            dt,
+            pdt,
+            cfg.contraction_block,
+            name="down_proj",
         )(h)
 
 

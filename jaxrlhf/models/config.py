@@ -60,6 +60,9 @@ class ModelConfig:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Numerics, not architecture (never written to config.json): split float32 contractions
+    # into blocks of this many terms for torch-level accuracy on CPU; see layers.contract.
+    contraction_block: int = 0
     # The original HF config dict, kept so that export writes back every field we do not model.
     hf_config: dict[str, Any] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False

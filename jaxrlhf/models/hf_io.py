@@ -7,6 +7,7 @@ safetensors, the weight-sync client sends it to the generator.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -75,8 +76,13 @@ def _open_checkpoint(folder: Path) -> dict[str, SafetensorsFile]:
     return {name: handle for name in handle.names()}
 
 
-def make_model(config: ModelConfig, dtype: str = "float32", remat: bool = False) -> Transformer:
+def make_model(
+    config: ModelConfig, dtype: str = "float32", remat: bool = False, contraction_block: int = 0
+) -> Transformer:
+    """The Flax model for `config`; `contraction_block` > 0: see `layers.contract` (CPU fp32)."""
     jdtype = jnp.dtype(numpy_dtype(dtype))
+    if contraction_block:
+        config = dataclasses.replace(config, contraction_block=contraction_block)
     return Transformer(config, dtype=jdtype, param_dtype=jdtype, remat=remat)
 
 
@@ -87,8 +93,12 @@ def load_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     remat: bool = False,
     seed: int = 0,
+    contraction_block: int = 0,
 ) -> tuple[Transformer, dict]:
     """Loads a Hugging Face folder (or hub name) into (model, params).
+
+    `contraction_block` > 0 splits float32 matmuls into blocks for torch-level accuracy on CPU,
+    at a speed cost (see `jaxrlhf.models.layers.contract`).
 
     `head` switches the head: "score" turns a causal LM into a reward/value model (the score
     weights start random with std 0.02 unless the checkpoint has them), "lm" the reverse is not
@@ -100,7 +110,7 @@ def load_pretrained(
         if head == "lm":
             raise ValueError(f"{folder} holds a scalar-head model; it has no LM head to load")
         config = config.with_head(head)
-    model = make_model(config, dtype, remat)
+    model = make_model(config, dtype, remat, contraction_block)
     abstract = abstract_params(model)
     unboxed = nn.meta.unbox(abstract)
     flax_shapes = {p: tuple(a.shape) for p, a in mapping.flatten(unboxed).items()}

@@ -36,6 +36,7 @@ NAMED_DTYPES = {
     "float32": np.dtype(np.float32),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),
+    "float64": np.dtype(np.float64),  # for numerical checks; JAX needs jax_enable_x64
 }
 
 

@@ -18,6 +18,7 @@ from jaxrlhf.models.layers import (
     LayerNorm,
     RMSNorm,
     attention_bias,
+    contract,
     logical_param,
     positions_from_mask,
     residual_constraint,
@@ -76,7 +77,7 @@ class Transformer(nn.Module):
                 jnp.float32
             )
         if cfg.tie_word_embeddings:
-            logits = jnp.einsum("bte,ve->btv", x, embedding.astype(self.dtype))
+            logits = contract(x, embedding.T, 1, self.dtype, cfg.contraction_block)
         else:
             kernel = logical_param(
                 self,
@@ -85,7 +86,7 @@ class Transformer(nn.Module):
                 ("embed", "vocab"),
                 self.param_dtype,
             )
-            logits = jnp.einsum("bte,ev->btv", x, kernel.astype(self.dtype))
+            logits = contract(x, kernel, 1, self.dtype, cfg.contraction_block)
         return constrain(logits, ("batch", "length", "act_vocab"))
 
 

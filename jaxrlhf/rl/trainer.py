@@ -70,7 +70,11 @@ class Learner:
         self.temperature = cfg.rollout.temperature
         self.spec = losses.get_loss_spec(cfg.loss)
         self.policy, policy_params = load_pretrained(
-            model_path, dtype=cfg.model.dtype, mesh=mesh, remat=cfg.model.remat
+            model_path,
+            dtype=cfg.model.dtype,
+            mesh=mesh,
+            remat=cfg.model.remat,
+            contraction_block=cfg.model.contraction_block,
         )
         params = {"policy": policy_params}
         shardings = {"policy": params_shardings(self.policy, mesh)}
@@ -78,7 +82,12 @@ class Learner:
         if self.spec.needs_value_model:
             value_path = cfg.loss_params.value_model_path or model_path
             self.value, params["value"] = load_pretrained(
-                value_path, dtype=cfg.model.dtype, head="score", mesh=mesh, seed=cfg.seed
+                value_path,
+                dtype=cfg.model.dtype,
+                head="score",
+                mesh=mesh,
+                seed=cfg.seed,
+                contraction_block=cfg.model.contraction_block,
             )
             shardings["value"] = params_shardings(self.value, mesh)
         self.ref_params = None

@@ -67,7 +67,11 @@ def run(config, model_path: Path, log) -> dict:
     started = time.time()
     mesh = make_mesh(tuple(config.mesh.shape))
     model, params = load_pretrained(
-        model_path, dtype=config.model.dtype, mesh=mesh, remat=config.model.remat
+        model_path,
+        dtype=config.model.dtype,
+        mesh=mesh,
+        remat=config.model.remat,
+        contraction_block=config.model.contraction_block,
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     train = build_examples(

@@ -62,6 +62,26 @@ def test_logits_and_logprobs_match_transformers(arch):
     assert np.all(lp[~real[:, 1:]] == 0.0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
+def test_blocked_contraction_is_the_same_model(arch):
+    """`contraction_block` changes only the summation order of every matmul (and the LM head)."""
+    path = tiny_model(arch)
+    model, params = load_pretrained(path)
+    blocked, _ = load_pretrained(path, contraction_block=8)
+    assert blocked.config.contraction_block == 8
+    ids, mask = padded_batch(model.config.vocab_size)
+    ours = np.asarray(blocked.apply({"params": params}, ids, mask))
+    plain = np.asarray(model.apply({"params": params}, ids, mask))
+    ref = hf_forward(
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+        ids,
+        mask,
+    )
+    real = mask.astype(bool)
+    assert np.abs(ours - ref)[real].max() <= TOL
+    assert 0 < np.abs(ours - plain)[real].max() <= 1e-5  # a different order, the same sums
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_padding_does_not_change_real_tokens(arch):
     model, params = load_pretrained(tiny_model(arch))
