@@ -12,11 +12,11 @@ import math
 
 import ml_collections
 
+from jaxrlhf.data.recipes import TASKS, VERIFIABLE
 from jaxrlhf.losses import LOSSES
 
-STAGES = ("sft", "rlhf")
+STAGES = ("sft", "reward", "rlhf")
 DTYPES = ("float32", "bfloat16", "float16")
-TASKS = ("arithmetic",)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -33,7 +33,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = dict(path="smollm2", dtype="float32", remat=False, contraction_block=0)
     c.mesh = dict(shape=(1, -1, 1))
     c.distributed = dict(enabled=False, coordinator_address="", num_processes=1, process_id=0)
-    c.task = dict(name="arithmetic", num_train=256, num_eval=64)
+    c.task = dict(
+        name="arithmetic",  # arithmetic | tldr | nobots | gsm8k (jaxrlhf.data.recipes)
+        source="",  # dataset hub name or local path; "" = the task's default
+        preference_source="",  # reward-model stage: preference pairs; "" = the task's default
+        train_split="",  # "" = "train"
+        eval_split="",  # "" = the dataset's held-out split (validation / test)
+        num_train=256,  # prompts / examples used; 0 = all
+        num_eval=64,
+        # RLHF reward: "" = the task's verifiable reward (arithmetic, gsm8k); else a reward
+        # model (a folder with a score head, e.g. the reward stage's output dir).
+        reward_model="",
+    )
     c.rollout = dict(
         prompts_per_batch=8,
         samples_per_prompt=2,
@@ -76,7 +87,17 @@ def base_config() -> ml_collections.ConfigDict:
         log_every=1,
     )
     c.checkpoint = dict(every=10)
-    c.eval = dict(at_start=True, at_end=True, every=0)
+    c.eval = dict(
+        at_start=True,
+        at_end=True,
+        every=0,
+        # `python -m jaxrlhf.evaluate`: win rate against the references under this gold reward
+        # model ("" = no win rate), and the KL proxy: this model's perplexity on the policy's
+        # responses ("" = config.model.path, the model the run started from).
+        gold_reward_model="",
+        sft_model="",
+        max_tokens=0,  # 0 = rollout.max_response_tokens
+    )
     c.generator = dict(
         addresses="",  # "host:port[,host:port...]"; "" = start one locally
         auth_token_env="JAXRLHF_GENERATOR_AUTH_TOKEN",
@@ -134,6 +155,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
     _require(bool(config.output_dir), "config.output_dir: must name a folder")
     _require(config.task.name in TASKS, f"config.task.name={config.task.name!r}: one of {TASKS}")
+    if config.stage == "reward":
+        _require(
+            config.task.name in ("tldr", "nobots"),
+            f"config.task.name={config.task.name!r}: the reward stage needs preference pairs "
+            f"('tldr' or 'nobots')",
+        )
     if config.stage == "rlhf":
         _validate_rlhf(config)
 
@@ -141,6 +168,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
 def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
     loss = config.loss_params
     name = config.loss
+    _require(
+        config.task.reward_model or config.task.name in VERIFIABLE,
+        f"config.task.reward_model is required: task {config.task.name!r} has no verifiable "
+        f"reward (train one with --config.stage=reward)",
+    )
     _require(name in LOSSES, f"config.loss={name!r}: one of {sorted(LOSSES)}")
     spec = LOSSES[name]
     k = config.rollout.samples_per_prompt

@@ -11,24 +11,9 @@ from absl import app, logging
 from ml_collections import config_flags
 
 from jaxrlhf.config import ConfigError, resolve, validate
+from jaxrlhf.models.paths import resolve_model
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
-
-
-def resolve_model(path: str, output_dir: str) -> Path:
-    """ "smollm2" = the packaged model (converted once), "tiny" = a tiny random model."""
-    if path == "smollm2":
-        from jaxrlhf.models.smollm2 import smollm2_path
-
-        return smollm2_path()
-    if path == "tiny":
-        from jaxrlhf.models.smollm2 import cache_dir
-        from jaxrlhf.models.tiny import make_tiny_model
-
-        return make_tiny_model(cache_dir() / "models" / "tiny-llama")
-    from jaxrlhf.models.hf_io import resolve_model_path
-
-    return resolve_model_path(path)
 
 
 def main(argv) -> None:
@@ -54,9 +39,11 @@ def main(argv) -> None:
     log(f"stage {config.stage}; outputs in {Path(config.output_dir).resolve()}")
     if config.learner_cpus:
         os.sched_setaffinity(0, {int(c) for c in config.learner_cpus.split(",")})
-    model_path = resolve_model(config.model.path, config.output_dir)
+    model_path = resolve_model(config.model.path)
     if config.stage == "sft":
         from jaxrlhf.stages import sft as stage
+    elif config.stage == "reward":
+        from jaxrlhf.stages import reward as stage
     else:
         from jaxrlhf.stages import rlhf as stage
     summary = stage.run(config, model_path, log)

@@ -1,4 +1,5 @@
-"""Verifiable rewards and the missing-EOS penalty.
+"""The missing-EOS penalty (task rewards: `jaxrlhf.data.recipes.verifier`, reward models:
+`jaxrlhf.stages.reward`).
 
 A response that ends without EOS (the sampler hit max_tokens) gets the fixed score
 `penalty_reward_value` instead of its task score (−1 TLDR, −10 No Robots in the paper).
@@ -6,30 +7,9 @@ A response that ends without EOS (the sampler hit max_tokens) gets the fixed sco
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import numpy as np
-
-from jaxrlhf.data.arithmetic import score_answer
-
-_GSM8K_ANSWER = re.compile(r"####\s*(-?[\d,\.]+)")
-
-
-def gsm8k_reward(text: str, answer: str) -> float:
-    """1.0 when the response's `#### n` equals the reference's `#### n` (commas ignored)."""
-
-    def final(s: str) -> str | None:
-        found = _GSM8K_ANSWER.findall(s)
-        return found[-1].replace(",", "").rstrip(".") if found else None
-
-    predicted, expected = final(text), final(answer)
-    return float(predicted is not None and predicted == expected)
-
-
-def arithmetic_reward(text: str, answer: int) -> float:
-    """1.0 when the last number in the response equals the sum."""
-    return score_answer(text, answer)
 
 
 def apply_eos_penalty(

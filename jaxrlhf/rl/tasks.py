@@ -1,14 +1,15 @@
-"""Tasks for the RLHF loop: prompts (train and held-out) and a reward on decoded responses."""
+"""Tasks for the RLHF loop: tokenized prompts (train and held-out) and, where the task has one, a
+verifiable reward on decoded responses. Tasks without one are scored by a reward model
+(`config.task.reward_model`, see `jaxrlhf.stages.reward.RewardScorer`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from jaxrlhf.data.arithmetic import make_problems
-from jaxrlhf.rl.rewards import arithmetic_reward
+from jaxrlhf.data import recipes
+from jaxrlhf.data.types import PromptExample
 from jaxrlhf.rl.rollout import PromptItem
-from jaxrlhf.tokenization import chat_prompt_ids
 
 
 @dataclasses.dataclass
@@ -17,34 +18,50 @@ class Task:
     train_prompts: list[PromptItem]
     eval_prompts: list[PromptItem]
     pad_id: int
-    score_text: Callable[[PromptItem, str], float]
     decode: Callable[[Sequence[int]], str]
+    # (answer, response text) -> reward; None = the task needs a reward model.
+    verify: Callable[[str, str], float] | None = None
+    eval_references: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def verifiable(self) -> bool:
+        return self.verify is not None
 
     def score(self, prompt: PromptItem, response_ids: Sequence[int]) -> float:
-        return self.score_text(prompt, self.decode(response_ids))
+        if self.verify is None:
+            raise ValueError(f"task {self.name!r} has no verifiable reward; use a reward model")
+        return self.verify(prompt.answer, self.decode(response_ids))
 
 
-def arithmetic_task(tokenizer, num_train: int, num_eval: int, seed: int, max_prompt_tokens: int):
-    """Two-digit additions in the chat template; reward 1 when the last number is the sum."""
+def tokenize_prompts(
+    tokenizer, examples: Sequence[PromptExample], max_prompt_tokens: int, split: str
+) -> list[PromptItem]:
+    """PromptItems of the examples; a prompt longer than `max_prompt_tokens` is an error that
+    names it (raise rollout.max_prompt_tokens, or shorten the data)."""
+    items = []
+    for example in examples:
+        ids = recipes.prompt_ids(tokenizer, example)
+        if len(ids) > max_prompt_tokens:
+            raise ValueError(
+                f"{split} prompt {example.id!r} has {len(ids)} tokens, more than "
+                f"rollout.max_prompt_tokens={max_prompt_tokens}"
+            )
+        items.append(PromptItem(example.id, tuple(ids), example.answer))
+    return items
 
-    def items(split: str, count: int) -> list[PromptItem]:
-        out = []
-        for problem in make_problems(count, split, seed):
-            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": problem.question}])
-            if len(ids) > max_prompt_tokens:
-                raise ValueError(
-                    f"prompt of {len(ids)} tokens exceeds rollout.max_prompt_tokens="
-                    f"{max_prompt_tokens}"
-                )
-            out.append(PromptItem(problem.id, tuple(ids), problem.answer))
-        return out
 
+def build_task(config, tokenizer) -> Task:
+    """The configured task (`config.task`), tokenized for the policy."""
+    task_cfg, limit = config.task, config.rollout.max_prompt_tokens
+    train = recipes.prompt_examples(task_cfg, "train", config.seed)
+    held_out = recipes.prompt_examples(task_cfg, "eval", config.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Task(
-        name="arithmetic",
-        train_prompts=items("train", num_train),
-        eval_prompts=items("eval", num_eval),
+        name=task_cfg.name,
+        train_prompts=tokenize_prompts(tokenizer, train, limit, "train"),
+        eval_prompts=tokenize_prompts(tokenizer, held_out, limit, "eval"),
         pad_id=pad,
-        score_text=lambda prompt, text: arithmetic_reward(text, prompt.answer),
         decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+        verify=recipes.verifier(task_cfg),
+        eval_references=[e.reference for e in held_out],
     )

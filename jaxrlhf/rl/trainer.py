@@ -27,13 +27,19 @@ import optax
 
 from jaxrlhf import losses
 from jaxrlhf.checkpointing import Checkpointer
-from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, load_pretrained, logprobs_from_logits
+from jaxrlhf.models import (
+    hf_tensor_specs,
+    iter_hf_tensors,
+    load_pretrained,
+    logprobs_from_logits,
+    save_pretrained,
+)
 from jaxrlhf.rl.batch import rollout_arrays
 from jaxrlhf.rl.generators import GeneratorPool
 from jaxrlhf.rl.metrics import MetricsWriter
 from jaxrlhf.rl.objectives import StepInputs, build_objective, value_estimates
 from jaxrlhf.rl.rewards import apply_eos_penalty
-from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer
+from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer, Sample
 from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import activate, make_mesh, shard_batch
 from jaxrlhf.train_state import (
@@ -119,6 +125,41 @@ class Learner:
 
         self.logprobs = jax.jit(logprobs)
         self.values = jax.jit(value_estimates(self.value)) if self.value else None
+        self.reward = None
+        if cfg.task.reward_model:
+            from jaxrlhf.models.paths import resolve_model
+            from jaxrlhf.stages.reward import RewardScorer
+
+            self.reward = RewardScorer(resolve_model(cfg.task.reward_model), mesh, cfg.model.dtype)
+            if self.reward.model.config.vocab_size != self.policy.config.vocab_size:
+                raise ValueError(
+                    f"config.task.reward_model={cfg.task.reward_model!r} has a vocabulary of "
+                    f"{self.reward.model.config.vocab_size}, the policy "
+                    f"{self.policy.config.vocab_size}: the reward model must share the "
+                    f"policy's tokenizer"
+                )
+        self.rows_per_batch = cfg.rollout.prompts_per_batch * cfg.rollout.samples_per_prompt
+        self.prompt_len = cfg.rollout.max_prompt_tokens
+        self.response_len = cfg.rollout.max_response_tokens
+
+    def score(self, task: Task, prompts, responses, arrays=None) -> np.ndarray:
+        """Rewards of (prompt, response ids) pairs: the task's verifier or the reward model
+        (scored in chunks of one rollout batch, so the jitted scorer compiles once)."""
+        if self.reward is None:
+            return np.array(
+                [task.score(p, r) for p, r in zip(prompts, responses, strict=True)], np.float32
+            )
+        if arrays is None:
+            rollout = Rollout(0, list(prompts), [
+                Sample(i, 0, tuple(r), (), "stop", 0) for i, r in enumerate(responses)
+            ], 0, 0.0)  # fmt: skip
+            arrays = rollout_arrays(rollout, task.pad_id, self.prompt_len, self.response_len)
+        ids, mask, n = arrays.input_ids, arrays.attention_mask, len(arrays.input_ids)
+        out = []
+        for start in range(0, n, self.rows_per_batch):
+            rows = np.arange(start, start + self.rows_per_batch) % n  # the last chunk wraps
+            out.append(self.reward(ids[rows], mask[rows])[: n - start])
+        return np.concatenate(out)[:n]
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
@@ -147,12 +188,15 @@ def prompts_for_batch_fn(task: Task, prompts_per_batch: int, seed: int):
     return prompts_for_batch
 
 
-def evaluate_greedy(pool: GeneratorPool, task: Task, max_tokens: int) -> float:
-    """Held-out accuracy of greedy responses with the weights the generator serves now."""
+def evaluate_greedy(pool: GeneratorPool, task: Task, max_tokens: int, learner: Learner) -> float:
+    """Mean held-out score (accuracy for verifiable tasks, else reward-model reward) of greedy
+    responses with the weights the generator serves now."""
     prompts = task.eval_prompts
     samples = pool.generate([p.token_ids for p in prompts], dict(n=1, temperature=0.0,
                             max_tokens=max_tokens))  # fmt: skip
-    scores = [task.score(prompts[s.prompt_index], s.token_ids) for s in samples]
+    scores = learner.score(
+        task, [prompts[s.prompt_index] for s in samples], [s.token_ids for s in samples]
+    )
     return float(np.mean(scores))
 
 
@@ -177,7 +221,12 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
     sync_dtype = cfg.rollout.weight_sync_dtype or None
     # Versions are the generator's: a run starts at the version serving when it begins, and
     # step i's update publishes base_version + i + 1.
-    serving = max(status.policy_version for status in pool.wait_until_serving())
+    statuses = pool.wait_until_serving()
+    serving = max(status.policy_version for status in statuses)
+    same_start = serving == 0 and all(
+        Path(status.model).expanduser().resolve() == Path(model_path).resolve()
+        for status in statuses
+    )
     start_step, base_version, version = 0, serving, serving
     pending: list[Rollout] = []
     if cfg.resume and checkpointer.latest_step() is not None:
@@ -192,16 +241,18 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
     else:
         if cfg.resume:
             log("resume requested but no checkpoint found: starting fresh")
-        if serving > 0:
-            # The generator serves weights of an earlier run: publish this run's initial ones.
+        if not same_start:
+            # The generator serves other weights (an earlier run's, or another model folder):
+            # publish this run's initial ones.
             base_version = version = serving + 1
             publish(learner, pool, version, sync_dtype)
     writer = MetricsWriter(out, cfg.total_steps, start_step, resume=start_step > 0)
     eval_tokens = cfg.rollout.max_response_tokens
     eval_start = None
+    metric = "eval_accuracy" if task.verifiable else "eval_reward"
     if cfg.eval.at_start and start_step == 0:
-        eval_start = evaluate_greedy(pool, task, eval_tokens)
-        log(f"held-out greedy accuracy before training: {eval_start:.3f}")
+        eval_start = evaluate_greedy(pool, task, eval_tokens, learner)
+        log(f"held-out greedy {metric[5:]} before training: {eval_start:.3f}")
     producer = RolloutProducer(
         pool,
         prompts_for_batch_fn(task, cfg.rollout.prompts_per_batch, cfg.seed),
@@ -223,7 +274,7 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
             )
             version = record["policy_version"]
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
-                record["eval_accuracy"] = evaluate_greedy(pool, task, eval_tokens)
+                record[metric] = evaluate_greedy(pool, task, eval_tokens, learner)
             writer.write(step + 1, record)
             records.append({"step": step + 1, **record})
             last = step + 1 == cfg.total_steps
@@ -247,14 +298,28 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
         "steps": cfg.total_steps,
         "policy_version": version,
         "wall_seconds": time.perf_counter() - started,
-        "eval_accuracy_start": eval_start,
+        f"{metric}_start": eval_start,
     }
     if cfg.eval.at_end:
-        summary["eval_accuracy_end"] = evaluate_greedy(pool, task, eval_tokens)
+        summary[f"{metric}_end"] = evaluate_greedy(pool, task, eval_tokens, learner)
     if records:
         tail = records[-min(len(records), 5) :]
         for key in ("reward_mean", "kl", "staleness_mean"):
             summary[f"{key}_last5"] = float(np.mean([r[key] for r in tail]))
+    if records:
+        from jaxrlhf.report import plot_training
+
+        points = []
+        if metric == "eval_accuracy":  # the plot's eval panel: before, during (records), after
+            end = summary.get(f"{metric}_end")
+            points = [(0, eval_start)] if eval_start is not None else []
+            points += [(records[-1]["step"], end)] if end is not None else []
+        summary["plot"] = str(plot_training(out / "metrics.jsonl", out / "training.png",
+                                            eval_points=points))  # fmt: skip
+    if cfg.export:
+        folder = save_pretrained(learner.policy, learner.state.params["policy"],
+                                 out / "hf_export", tokenizer_from=model_path)  # fmt: skip
+        summary["export_dir"] = str(folder)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return RunResult(summary, records)
 
@@ -268,9 +333,11 @@ def train_one_step(
     arrays = rollout_arrays(
         rollout, task.pad_id, cfg.rollout.max_prompt_tokens, cfg.rollout.max_response_tokens
     )
-    raw = np.array(
-        [task.score(rollout.prompts[s.prompt_index], s.token_ids) for s in rollout.samples],
-        np.float32,
+    raw = learner.score(
+        task,
+        [rollout.prompts[s.prompt_index] for s in rollout.samples],
+        [s.token_ids for s in rollout.samples],
+        arrays,
     )
     scores = apply_eos_penalty(raw, arrays.finished, cfg.loss_params.penalty_reward_value)
     t1 = time.perf_counter()

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import time
 from pathlib import Path
 
 from jaxrlhf.rl.generators import GeneratorPool
 from jaxrlhf.rl.service import start_server
-from jaxrlhf.rl.tasks import arithmetic_task
+from jaxrlhf.rl.tasks import build_task
 from jaxrlhf.rl.trainer import run_rlhf
-
-
-def build_task(config, tokenizer):
-    if config.task.name == "arithmetic":
-        return arithmetic_task(
-            tokenizer,
-            config.task.num_train,
-            config.task.num_eval,
-            config.seed,
-            config.rollout.max_prompt_tokens,
-        )
-    raise ValueError(f"unknown task {config.task.name!r}")
 
 
 @contextlib.contextmanager
@@ -56,8 +46,12 @@ def generator_pool(config, model_path: Path, log):
 def run(config, model_path: Path, log) -> dict:
     import transformers
 
+    started = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     task = build_task(config, tokenizer)
     with generator_pool(config, model_path, log) as pool:
         result = run_rlhf(config, model_path, task, pool, log)
-    return result.summary
+    summary = {**result.summary, "total_seconds": time.perf_counter() - started}
+    out = Path(config.output_dir)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,28 +1,20 @@
 """Supervised fine-tuning: NLL of the response tokens given the prompt, on the device mesh.
 
-loss = −Σ_t m_t log π(y_t | x, y_<t) / Σ_t m_t, with m the response (loss) mask.
+loss = −Σ_t m_t log π(y_t | x, y_<t) / Σ_t m_t, with m the response (loss) mask. Data: the
+configured task's SFT examples (`jaxrlhf.data.recipes`). Outputs in `config.output_dir`: Orbax
+checkpoints, metrics.jsonl, summary.json and (with `config.export`) a Hugging Face folder
+`hf_export/` that the next stage can start from (`--config.model.path=<this output_dir>`).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-import jax
-import numpy as np
-import optax
-
-from jaxrlhf.data.arithmetic import make_problems
+from jaxrlhf.data import recipes
 from jaxrlhf.models import load_pretrained, logprobs_from_logits, save_pretrained
-from jaxrlhf.sharding import make_mesh, shard_batch
-from jaxrlhf.tokenization import chat_prompt_ids, concat_prompt_response, left_pad, right_pad
-from jaxrlhf.train_state import (
-    build_train_step,
-    create_train_state,
-    params_shardings,
-    state_shardings,
-)
+from jaxrlhf.sharding import make_mesh
+from jaxrlhf.stages.supervised import prompt_response_arrays, train_supervised
 
 
 def nll_loss(model):
@@ -33,29 +25,20 @@ def nll_loss(model):
         logp = logprobs_from_logits(logits[:, :-1], batch["input_ids"][:, 1:])
         mask = batch["loss_mask"]
         loss = -(logp * mask).sum() / mask.sum()
-        return loss, {"tokens": mask.sum()}
+        return loss, {"weight": mask.sum()}
 
     return loss_fn
 
 
-def build_examples(tokenizer, problems, max_length: int) -> dict[str, np.ndarray]:
-    """[left-padded chat prompt | answer + EOS, right-padded] for each problem."""
-    prompts = [
-        chat_prompt_ids(tokenizer, [{"role": "user", "content": p.question}]) for p in problems
-    ]
-    answers = [
-        tokenizer.encode(str(p.answer), add_special_tokens=False) + [tokenizer.eos_token_id]
-        for p in problems
-    ]
-    prompt_len = max(len(p) for p in prompts)
-    response_len = max_length - prompt_len
-    if response_len < max(len(a) for a in answers):
-        raise ValueError(f"config.train.max_length={max_length} leaves no room for the answers")
+def build_examples(tokenizer, examples, max_length: int):
+    """[left-padded prompt | response + EOS, right-padded] for each SFTExample."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    p_ids, p_mask = left_pad(prompts, pad, prompt_len)
-    r_ids, r_mask = right_pad(answers, pad, response_len)
-    input_ids, attention_mask, loss_mask = concat_prompt_response(p_ids, p_mask, r_ids, r_mask)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    return prompt_response_arrays(
+        [recipes.prompt_ids(tokenizer, e.prompt) for e in examples],
+        [recipes.response_ids(tokenizer, e.response) for e in examples],
+        pad,
+        max_length,
+    )
 
 
 def run(config, model_path: Path, log) -> dict:
@@ -63,8 +46,6 @@ def run(config, model_path: Path, log) -> dict:
     import transformers
 
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
     mesh = make_mesh(tuple(config.mesh.shape))
     model, params = load_pretrained(
         model_path,
@@ -74,50 +55,24 @@ def run(config, model_path: Path, log) -> dict:
         contraction_block=config.model.contraction_block,
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    length = config.train.max_length
     train = build_examples(
-        tokenizer,
-        make_problems(config.task.num_train, "train", config.seed),
-        config.train.max_length,
+        tokenizer, recipes.sft_examples(config.task, "train", config.seed), length
     )
     held_out = build_examples(
-        tokenizer, make_problems(config.task.num_eval, "eval", config.seed), config.train.max_length
+        tokenizer, recipes.sft_examples(config.task, "eval", config.seed), length
     )
-    optimizer = optax.adamw(config.train.learning_rate)
-    shardings = state_shardings(params_shardings(model, mesh), optimizer, params, mesh)
-    state = create_train_state(params, optimizer, shardings)
-    bs = config.train.batch_size
-    shapes = {k: (bs,) + v.shape[1:] for k, v in train.items()}
-    step_fn = build_train_step(nll_loss(model), optimizer, mesh, shardings, shapes)
-    loss_fn = jax.jit(nll_loss(model))
-
-    def held_out_loss(params) -> float:
-        return float(loss_fn(params, shard_batch(held_out, mesh))[0])
-
-    eval_start = held_out_loss(state.params)
-    log(f"mesh {dict(mesh.shape)}; held-out NLL before training: {eval_start:.4f}")
-    order = np.random.default_rng(config.seed).permutation(len(train["input_ids"]))
-    with open(out / "metrics.jsonl", "w") as metrics_file:
-        for step in range(config.total_steps):
-            rows = order[(np.arange(bs) + step * bs) % len(order)]
-            batch = shard_batch({k: v[rows] for k, v in train.items()}, mesh)
-            t0 = time.time()
-            state, metrics = step_fn(state, batch)
-            loss = float(metrics["loss"])
-            record = {"step": step + 1, "loss": loss, "step_seconds": time.time() - t0}
-            metrics_file.write(json.dumps(record) + "\n")
-            if (step + 1) % config.train.log_every == 0:
-                log(f"step {step + 1}/{config.total_steps} loss {loss:.4f}")
-    eval_end = held_out_loss(state.params)
-    summary = {
-        "stage": "sft",
-        "eval_nll_start": eval_start,
-        "eval_nll_end": eval_end,
-        "wall_seconds": time.time() - started,
-        "steps": config.total_steps,
-    }
+    log(f"SFT on {len(train['input_ids'])} examples ({config.task.name}), "
+        f"{len(held_out['input_ids'])} held out")  # fmt: skip
+    state, summary = train_supervised(
+        config, model, params, nll_loss(model), train, held_out, mesh, log
+    )
+    summary = {"stage": "sft", **summary}
+    summary["eval_nll_start"], summary["eval_nll_end"] = (
+        summary.pop("eval_loss_start"), summary.pop("eval_loss_end"))  # fmt: skip
     if config.export:
-        summary["export_dir"] = str(
-            save_pretrained(model, state.params, out / "hf_export", tokenizer_from=model_path)
-        )
+        folder = save_pretrained(model, state.params, out / "hf_export", tokenizer_from=model_path)
+        summary["export_dir"] = str(folder)
+        log(f"exported a Hugging Face folder: {folder}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -12,7 +12,7 @@ import pytest
 
 from configs.tiny import get_config as tiny_config
 from jaxrlhf.rl.generators import GeneratorPool
-from jaxrlhf.rl.tasks import arithmetic_task
+from jaxrlhf.rl.tasks import build_task
 from jaxrlhf.rl.trainer import run_rlhf
 
 
@@ -36,7 +36,7 @@ def run(config, model_dir, address):
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    task = arithmetic_task(tokenizer, 32, 4, config.seed, config.rollout.max_prompt_tokens)
+    task = build_task(config, tokenizer)
     pool = GeneratorPool([address])
     try:
         base = pool.wait_until_serving()[0].policy_version

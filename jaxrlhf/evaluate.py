@@ -1,0 +1,228 @@
+"""Evaluate an Orbax checkpoint of any stage on the task's held-out split.
+
+    python -m jaxrlhf.evaluate --config=configs/x.py --checkpoint=runs/x [--step=N] [--output=DIR]
+
+`--checkpoint` is a run's output dir, its `checkpoints/` dir or one step's dir; the policy's
+parameters are restored from it (only them: no optimizer state) onto the architecture of
+`config.model.path`. Greedy responses to the held-out prompts come from a generator service —
+the configured `generator.addresses` (the weights are published to it) or one started here on
+an exported copy. Reported (report.json, samples.jsonl, report.png in the output dir):
+
+- win rate against the dataset's reference responses under `eval.gold_reward_model` (ties ½);
+- the KL proxy: perplexity of `eval.sft_model` (default: `config.model.path`) on the responses;
+- mean response length (tokens); pass@1 for tasks with a checkable answer (arithmetic, GSM8k).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from jaxrlhf.config import ConfigError, resolve, validate
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Run dir, checkpoints/ dir or step dir.")
+_STEP = flags.DEFINE_integer("step", -1, "Checkpoint step (-1 = the latest).")
+_OUTPUT = flags.DEFINE_string("output", "", "Report dir ('' = <run>/eval-step-<N>).")
+
+ROWS = 8  # rows per scoring call (one compile per sequence length)
+
+
+def find_step_dir(path: str | Path, step: int = -1) -> Path:
+    """The step folder (holding `state/`) for a run dir, a checkpoints dir or a step dir."""
+    path = Path(path).expanduser().resolve()
+    if (path / "state").is_dir():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = sorted(
+        int(p.name) for p in root.glob("*") if p.name.isdigit() and (p / "state").is_dir()
+    )
+    if not steps:
+        raise FileNotFoundError(f"no Orbax checkpoint under {path} (looked for <step>/state/)")
+    if step < 0:
+        return root / str(steps[-1])
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint of step {step} under {root}; steps: {steps}")
+    return root / str(step)
+
+
+def restore_policy(step_dir: Path, like_params):
+    """The policy parameters of a checkpoint (RLHF: params.policy, SFT: params), restored with
+    the shapes and shardings of `like_params` and nothing else (partial restore)."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    saved = checkpointer.metadata(step_dir / "state").item_metadata
+    params_meta = saved["params"]
+    nested = isinstance(params_meta, dict) and "policy" in params_meta
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like_params
+    )
+    args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), abstract)
+    item = {"params": {"policy": abstract} if nested else abstract}
+    restore_args = {"params": {"policy": args} if nested else args}
+    try:
+        restored = checkpointer.restore(
+            step_dir / "state",
+            args=ocp.args.PyTreeRestore(item, restore_args, partial_restore=True),
+        )
+    except Exception as err:  # noqa: BLE001 - Orbax raises several types; name the cause
+        raise ValueError(
+            f"{step_dir} does not hold parameters of config.model.path's architecture: {err}"
+        ) from err
+    return restored["params"]["policy"] if nested else restored["params"]
+
+
+def prompt_response_batches(tokenizer, prompts, responses):
+    """Arrays for scoring: one row per (prompt, response text + EOS), padded to the longest."""
+    from jaxrlhf.data import recipes
+    from jaxrlhf.stages.supervised import prompt_response_arrays
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    p_ids = [recipes.prompt_ids(tokenizer, p) for p in prompts]
+    r_ids = [recipes.response_ids(tokenizer, r) for r in responses]
+    length = max(len(p) for p in p_ids) + max(len(r) for r in r_ids)
+    return prompt_response_arrays(p_ids, r_ids, pad, length)
+
+
+def in_chunks(fn, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """fn over rows in chunks of ROWS (the last one wrapped around), concatenated."""
+    n = len(arrays["input_ids"])
+    out = []
+    for start in range(0, n, ROWS):
+        rows = np.arange(start, start + ROWS) % n
+        out.append(np.asarray(fn({k: v[rows] for k, v in arrays.items()}))[: n - start])
+    return np.concatenate(out)
+
+
+def gold_scores(path: Path, mesh, prompts, responses) -> np.ndarray:
+    import transformers
+
+    from jaxrlhf.stages.reward import RewardScorer
+
+    scorer = RewardScorer(path, mesh)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    arrays = prompt_response_batches(tokenizer, prompts, responses)
+    return in_chunks(lambda b: scorer(b["input_ids"], b["attention_mask"]), arrays)
+
+
+def response_logprobs(path: Path, mesh, prompts, responses) -> list[np.ndarray]:
+    """Each response's per-token log-probs (EOS included) under the model at `path`."""
+    import transformers
+
+    from jaxrlhf.models import load_pretrained, token_logprobs
+
+    model, params = load_pretrained(path, mesh=mesh)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    arrays = prompt_response_batches(tokenizer, prompts, responses)
+    logp = jax.jit(lambda p, i, m: token_logprobs(model, p, i, m))
+    lp = in_chunks(lambda b: logp(params, b["input_ids"], b["attention_mask"]), arrays)
+    mask = arrays["loss_mask"].astype(bool)
+    return [row[m] for row, m in zip(lp, mask, strict=True)]
+
+
+def evaluate(config, step_dir: Path, out_dir: Path, log) -> dict:
+    """Generates greedy held-out responses of the checkpoint's policy and writes the report."""
+    import transformers
+
+    from jaxrlhf.data import recipes
+    from jaxrlhf.models import load_pretrained, save_pretrained
+    from jaxrlhf.models.paths import resolve_model
+    from jaxrlhf.report import build_report, write_report
+    from jaxrlhf.rl.tasks import tokenize_prompts
+    from jaxrlhf.sharding import make_mesh
+    from jaxrlhf.stages.rlhf import generator_pool
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = config.copy_and_resolve_references()
+    config.output_dir = str(out_dir)  # a generator started here logs there
+    base = resolve_model(config.model.path)
+    mesh = make_mesh(tuple(config.mesh.shape))
+    model, like = load_pretrained(base, dtype=config.model.dtype, mesh=mesh)
+    params = restore_policy(step_dir, like)
+    del like
+    log(f"restored the policy from {step_dir}")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    prompts = recipes.prompt_examples(config.task, "eval", config.seed)
+    items = tokenize_prompts(tokenizer, prompts, config.rollout.max_prompt_tokens, "eval")
+    max_tokens = config.eval.max_tokens or config.rollout.max_response_tokens
+    with tempfile.TemporaryDirectory(prefix="jaxrlhf-eval-") as tmp:
+        folder = save_pretrained(model, params, Path(tmp) / "policy", tokenizer_from=base)
+        with generator_pool(config, folder, log) as pool:
+            if config.generator.addresses:  # a running service: serve these weights on it
+                from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors
+
+                version = max(s.policy_version for s in pool.wait_until_serving()) + 1
+                pool.publish_weights(lambda: iter_hf_tensors(model, params),
+                                     len(hf_tensor_specs(model, params)), version)  # fmt: skip
+            samples = pool.generate(
+                [p.token_ids for p in items], dict(n=1, temperature=0.0, max_tokens=max_tokens)
+            )
+    samples = sorted(samples, key=lambda s: s.prompt_index)
+    texts = [tokenizer.decode(list(s.token_ids), skip_special_tokens=True) for s in samples]
+    lengths = [len(s.token_ids) for s in samples]
+    rows = [
+        {"id": p.id, "response": t, "reference": p.reference, "response_length": n}
+        for p, t, n in zip(prompts, texts, lengths, strict=True)
+    ]
+    kwargs: dict = {"response_lengths": lengths}
+    if config.eval.gold_reward_model:
+        gold = resolve_model(config.eval.gold_reward_model)
+        policy_scores = gold_scores(gold, mesh, prompts, texts)
+        reference_scores = gold_scores(gold, mesh, prompts, [p.reference for p in prompts])
+        kwargs.update(policy_scores=policy_scores, reference_scores=reference_scores)
+        for row, a, b in zip(rows, policy_scores, reference_scores, strict=True):
+            row.update(policy_score=float(a), reference_score=float(b))
+    sft = resolve_model(config.eval.sft_model or config.model.path)
+    kwargs["sft_logprobs"] = response_logprobs(sft, mesh, prompts, texts)
+    verify = recipes.verifier(config.task)
+    if verify is not None:
+        kwargs["correct"] = [bool(verify(p.answer, t)) for p, t in zip(prompts, texts, strict=True)]
+        for row, ok in zip(rows, kwargs["correct"], strict=True):
+            row["correct"] = ok
+    extra = {"checkpoint": str(step_dir), "task": config.task.name, "max_tokens": max_tokens,
+             "gold_reward_model": config.eval.gold_reward_model, "sft_model": str(sft)}  # fmt: skip
+    report = build_report(**kwargs, extra=extra)
+    paths = write_report(report, rows, out_dir)
+    log(f"report: {paths['report']} (plot {paths['plot']})")
+    return report
+
+
+def main(argv) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    config = _CONFIG.value
+    if config is None or not _CHECKPOINT.value:
+        raise app.UsageError("--config=configs/NAME.py and --checkpoint=DIR are required")
+    try:
+        validate(resolve(config))
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        step_dir = find_step_dir(_CHECKPOINT.value, _STEP.value)
+    except FileNotFoundError as err:
+        print(f"checkpoint error: {err}", file=sys.stderr)
+        sys.exit(2)
+    out = (
+        Path(_OUTPUT.value)
+        if _OUTPUT.value
+        else step_dir.parent.parent / f"eval-step-{step_dir.name}"
+    )
+
+    def log(message: str) -> None:
+        print(f"[jaxrlhf.evaluate] {message}", flush=True)
+
+    report = evaluate(config, step_dir, out, log)
+    log("summary: " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    app.run(main)

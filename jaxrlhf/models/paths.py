@@ -1,0 +1,25 @@
+"""Where a `config.model.path` (or any model argument) points."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def resolve_model(path: str) -> Path:
+    """ "smollm2" = the packaged model (converted once), "tiny" = a tiny random model, a stage's
+    output dir = its exported `hf_export/`, else a Hugging Face folder or hub name."""
+    if path == "smollm2":
+        from jaxrlhf.models.smollm2 import smollm2_path
+
+        return smollm2_path()
+    if path == "tiny":
+        from jaxrlhf.models.smollm2 import cache_dir
+        from jaxrlhf.models.tiny import make_tiny_model
+
+        return make_tiny_model(cache_dir() / "models" / "tiny-llama")
+    from jaxrlhf.models.hf_io import resolve_model_path
+
+    exported = Path(path).expanduser() / "hf_export"
+    if (exported / "config.json").exists():
+        return exported
+    return resolve_model_path(path)
