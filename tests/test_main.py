@@ -63,3 +63,34 @@ def test_num_mini_batches_is_the_papers_test_bed():
     resolve(config)
     assert (config.sync_every, config.max_staleness) == (4, 3)
     validate(config)
+
+
+@pytest.mark.parametrize(
+    "name, stages",
+    [("tldr", ["sft", "reward", ""]), ("nobots", ["sft", "reward", ""]), ("gsm8k", ["sft", ""])],
+)
+def test_recipe_configs_validate_and_chain(name, stages):
+    """The paper's configs: every stage validates and starts from the previous one's output."""
+    import importlib
+
+    from jaxrlhf.config import resolve, validate
+
+    module = importlib.import_module(f"configs.{name}")
+    configs = {stage or "rlhf": module.get_config(stage) for stage in stages}
+    for stage, config in configs.items():
+        validate(resolve(config))
+        assert config.stage == stage and config.output_dir == f"runs/{name}/{stage}"
+    if "reward" in configs:
+        assert configs["reward"].model.path == "runs/" + name + "/sft"
+        assert configs["rlhf"].task.reward_model == f"runs/{name}/reward"
+    with pytest.raises(ValueError, match="stage"):
+        module.get_config("dance")
+
+
+def test_recipe_stage_is_chosen_after_a_colon(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxrlhf.main", "--config=configs/tldr.py:dance"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+    )  # fmt: skip
+    assert result.returncode != 0 and "stage 'dance'" in result.stderr

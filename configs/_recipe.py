@@ -1,0 +1,27 @@
+"""Shared shape of the paper's recipe configs: one file per task, the stage picked after a colon.
+
+    python -m jaxrlhf.main --config=configs/tldr.py:sft
+    python -m jaxrlhf.main --config=configs/tldr.py:reward
+    python -m jaxrlhf.main --config=configs/tldr.py            # rlhf (the default)
+    python -m jaxrlhf.evaluate --config=configs/tldr.py --checkpoint=runs/tldr/rlhf
+
+Each stage starts from the previous stage's output dir (`runs/<task>/<stage>`; its `hf_export/`
+is picked up), so the three commands chain without further flags.
+"""
+
+from jaxrlhf.config import STAGES, base_config
+
+
+def recipe(task: str, stage: str, base_model: str):
+    stage = stage or "rlhf"
+    if stage not in STAGES:
+        raise ValueError(f"stage {stage!r} after the colon: one of {STAGES}")
+    config = base_config()
+    config.stage = stage
+    config.task.name = task
+    config.task.num_train = config.task.num_eval = 0  # the whole splits
+    root = f"runs/{task}"
+    config.output_dir = f"{root}/{stage}"
+    config.model.path = base_model if stage == "sft" else f"{root}/sft"
+    config.eval.sft_model = f"{root}/sft"
+    return config, root
