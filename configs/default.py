@@ -14,6 +14,7 @@ def get_config():
     config.loss_params.beta = 0.1
     config.rollout.samples_per_prompt = 4
     config.rollout.prompts_per_batch = 8
-    config.train.learning_rate = 3e-6
+    config.train.learning_rate = 1e-5
     config.total_steps = 8
+    config.eval.every = 4  # one held-out point mid-run, for the plot
     return config

@@ -315,7 +315,7 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
             points = [(0, eval_start)] if eval_start is not None else []
             points += [(records[-1]["step"], end)] if end is not None else []
         summary["plot"] = str(plot_training(out / "metrics.jsonl", out / "training.png",
-                                            eval_points=points))  # fmt: skip
+                                            eval_points=points, x="time"))  # fmt: skip
     if cfg.export:
         folder = save_pretrained(learner.policy, learner.state.params["policy"],
                                  out / "hf_export", tokenizer_from=model_path)  # fmt: skip

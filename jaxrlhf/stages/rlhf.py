@@ -54,4 +54,29 @@ def run(config, model_path: Path, log) -> dict:
     summary = {**result.summary, "total_seconds": time.perf_counter() - started}
     out = Path(config.output_dir)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    for line in summary_lines(summary, out):
+        log(line)
     return summary
+
+
+def summary_lines(summary: dict, out: Path) -> list[str]:
+    """The human-readable end of a run: before/after, time, staleness, where things are."""
+    lines = []
+    for metric in ("eval_accuracy", "eval_reward"):
+        start, end = summary.get(f"{metric}_start"), summary.get(f"{metric}_end")
+        if start is not None and end is not None:
+            name = metric.removeprefix("eval_")
+            if metric == "eval_accuracy":
+                lines.append(f"held-out greedy {name}: {start:.1%} -> {end:.1%} "
+                             f"({100 * (end - start):+.1f} points)")  # fmt: skip
+            else:
+                lines.append(f"held-out greedy {name}: {start:.3f} -> {end:.3f}")
+    lines.append(f"time: {summary['total_seconds'] / 60:.1f} min in all "
+                 f"({summary['wall_seconds'] / 60:.1f} min training loop)")  # fmt: skip
+    if "staleness_mean_last5" in summary:
+        lines.append(f"staleness (versions behind, last 5 steps): "
+                     f"{summary['staleness_mean_last5']:.2f}")  # fmt: skip
+    lines.append(f"outputs: {out.resolve()} (summary.json, metrics.jsonl, checkpoints/)")
+    if summary.get("plot"):
+        lines.append(f"plot of reward and accuracy: {summary['plot']}")
+    return lines
