@@ -397,6 +397,7 @@ def train_one_step(
         "generation_tokens_per_s": rollout.num_tokens / max(rollout.generate_seconds, 1e-9),
         "train_tokens_per_s": tokens / max(train_s, 1e-9),
         "wait_for_generation_s": wait_s,
+        "generate_s": rollout.generate_seconds,  # the Generate call of this batch, wall time
         "prepare_s": t2 - t1,
         "train_s": train_s,
         "weight_sync_s": sync_s,

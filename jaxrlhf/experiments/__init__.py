@@ -1,0 +1,110 @@
+"""Experiments that drive several `python -m jaxrlhf.main` runs and compare them.
+
+- `jaxrlhf.experiments.offpolicy`: the paper's off-policyness test bed (final reward, held-out
+  accuracy and KL against the number of mini-batches generated with one policy, per loss).
+- `bench/async_speedup.py` uses the helpers here too (synchronous vs asynchronous speedup).
+
+Each run is the RLHF stage exactly as a user starts it (a `jaxrlhf.main` subprocess with
+`--config.key=value` overrides), so a run's output dir holds the usual `metrics.jsonl`,
+`summary.json` and its log; these helpers build the command, run it and read the outputs back.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+
+
+def config_file_for(model: str) -> Path:
+    """configs/tiny.py for the tiny random model (its small rollout sizes), else the offline
+    default's configs/default.py (with `model.path` overridden when `model` is not smollm2)."""
+    return CONFIGS / ("tiny.py" if model == "tiny" else "default.py")
+
+
+def load_config(config_file: str | Path, overrides: Mapping[str, Any] = ()):
+    """The ConfigDict a run gets from `config_file` plus `--config.KEY=VALUE` overrides (dotted
+    keys), with the shorthands resolved (`num_mini_batches`)."""
+    from jaxrlhf.config import resolve
+
+    spec = importlib.util.spec_from_file_location("_experiment_config", config_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    for key, value in dict(overrides).items():
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        node[leaf] = _coerce(node[leaf], value)
+    return resolve(config)
+
+
+def _coerce(current: Any, value: Any) -> Any:
+    """`value` (possibly command-line text) as the type of the field's `current` value."""
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str) or isinstance(current, str):
+        return value
+    if isinstance(current, bool):
+        return value.lower() in ("true", "1", "yes")
+    return type(current)(ast.literal_eval(value))
+
+
+def format_override(value: Any) -> str:
+    """A value as `--config.key=` parses it: booleans lower-case, sequences as tuples."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(str(v) for v in value) + ")"
+    return str(value)
+
+
+def main_command(config_file: str | Path, overrides: Mapping[str, Any]) -> list[str]:
+    """`python -m jaxrlhf.main --config=FILE --config.KEY=VALUE ...`."""
+    flags = [f"--config.{key}={format_override(value)}" for key, value in overrides.items()]
+    return [sys.executable, "-m", "jaxrlhf.main", f"--config={config_file}", *flags]
+
+
+def run_main(command: list[str], log_path: str | Path) -> tuple[int, float]:
+    """Runs one `jaxrlhf.main` command from the repository root, its stdout and stderr into
+    `log_path`; returns (exit code, seconds)."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        returncode = subprocess.call(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    return returncode, time.perf_counter() - started
+
+
+def log_tail(log_path: str | Path, lines: int = 30) -> str:
+    path = Path(log_path)
+    if not path.exists():
+        return f"(no log at {path})"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    text = Path(path).read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def read_run(output_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(metrics.jsonl records sorted by step, summary.json) of a finished run."""
+    out = Path(output_dir)
+    for name in ("metrics.jsonl", "summary.json"):
+        if not (out / name).exists():
+            raise FileNotFoundError(f"{out / name} is missing: the run did not finish")
+    records = sorted(read_jsonl(out / "metrics.jsonl"), key=lambda r: r["step"])
+    return records, json.loads((out / "summary.json").read_text())
