@@ -31,6 +31,9 @@ test-fast: install
 
 bench: install
 	$(BIN)/python bench/learner_step.py
+	$(BIN)/python bench/parity_fp64.py
+	$(BIN)/python bench/generate_overhead.py
+	$(BIN)/python bench/weight_sync.py
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
