@@ -12,7 +12,6 @@ import asyncio
 import gc
 import logging
 import os
-import shutil
 import tempfile
 import time
 import uuid
@@ -25,11 +24,10 @@ import grpc
 from generator_service.gate import VersionGate
 from generator_service.requests import GenerateError, Sampling, validate_request
 from generator_service.weights import (
-    AssembledTensor,
+    StagedTensor,
     TensorSpec,
     WeightUpdateError,
     expected_tensors,
-    write_safetensors,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,8 +47,8 @@ class EngineConfig:
     # None: eager on CPU (no graph capture there), graphs elsewhere.
     enforce_eager: bool | None = None
     max_num_seqs: int | None = None
-    # Where updates are staged as safetensors before the engine loads them (RAM-backed if
-    # possible). None: /dev/shm when writable, else the system temp folder.
+    # Where updates are staged before the engine loads them (RAM-backed if possible; see
+    # weights.py). None: /dev/shm when writable, else the system temp folder.
     staging_dir: str | None = None
 
 
@@ -295,34 +293,24 @@ class GeneratorEngine:
         )
 
     async def swap_weights(
-        self, tensors: list[AssembledTensor], policy_version: int, allow_rollback: bool = False
+        self,
+        staging_path: str,
+        tensors: list[StagedTensor],
+        policy_version: int,
+        allow_rollback: bool = False,
     ) -> float:
-        """Loads a validated, complete set of tensors as `policy_version`; returns pause seconds.
+        """Loads a validated, complete update staged in `staging_path` as `policy_version`;
+        returns the seconds generation was paused. Only the reload runs with the gate closed."""
+        async with self._gate.write():
+            return await self._reload(staging_path, tensors, policy_version, allow_rollback)
 
-        The tensors are staged as one safetensors file while generation goes on; only the
-        reload itself runs with the gate closed.
-        """
-        needed = sum(len(tensor.data) for tensor in tensors) + (1 << 20)
-        if shutil.disk_usage(self.staging_dir).free < needed:
-            raise WeightUpdateError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"staging the update needs {needed} bytes free in {self.staging_dir}",
-            )
-        staging = tempfile.mkdtemp(prefix="jaxrlhf-weights-", dir=self.staging_dir)
-        try:
-            try:
-                path = Path(staging) / "model.safetensors"
-                await asyncio.to_thread(write_safetensors, path, tensors)
-            except OSError as error:
-                raise WeightUpdateError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"could not stage the update: {error}"
-                ) from error
-            async with self._gate.write():
-                return await self._reload(staging, policy_version, allow_rollback)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    async def _reload(self, staging: str, policy_version: int, allow_rollback: bool) -> float:
+    async def _reload(
+        self,
+        staging_path: str,
+        tensors: list[StagedTensor],
+        policy_version: int,
+        allow_rollback: bool,
+    ) -> float:
         if policy_version <= self.policy_version and not allow_rollback:
             raise WeightUpdateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -333,8 +321,9 @@ class GeneratorEngine:
         # The gate already drained our calls; "wait" also covers anything else in the engine.
         await self._llm.pause_generation(mode="wait")
         try:
+            manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
             await self._llm.collective_rpc(
-                "jaxrlhf_reload_weights", kwargs={"weights_path": staging}
+                "jaxrlhf_reload_weights", kwargs={"path": staging_path, "tensors": manifest}
             )
             await self._llm.reset_prefix_cache()
             await self._llm.update_weight_version(str(policy_version))

@@ -1,24 +1,33 @@
 """The gRPC face of the generator: the Generator service, health, reflection, auth and shutdown.
 
-Messages are translated here and nowhere else; the engine deals in plain Python values.
+Messages are translated here and nowhere else; the engine deals in plain Python values. Weight
+chunks are decoded by hand (`decode_weight_chunk`) so that their data stays a view of the
+received message, written to the staging file without another copy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import signal
 import time
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from generator_service.auth import TokenAuthInterceptor
 from generator_service.engine import EngineConfig, GeneratorEngine
 from generator_service.requests import GenerateError, Sampling
-from generator_service.weights import WeightAssembler, WeightUpdateError
+from generator_service.weights import (
+    StagingFile,
+    WeightAssembler,
+    WeightUpdateError,
+    minimum_update_bytes,
+)
 from jaxrlhf.rpc import SERVICE_NAME, generator_pb2, generator_pb2_grpc
 from jaxrlhf.rpc.client import CHANNEL_OPTIONS
 
@@ -27,6 +36,74 @@ logger = logging.getLogger(__name__)
 READY_LINE = "GENERATOR_SERVICE_READY"
 # Initial metadata of every Generate call, sent once the call is admitted between weight swaps.
 ADMITTED_VERSION_HEADER = "x-jaxrlhf-policy-version"
+
+
+# WeightChunk.data's key on the wire: field number, wire type 2 (length-delimited).
+_DATA_KEY = generator_pb2.WeightChunk.DESCRIPTOR.fields_by_name["data"].number << 3 | 2
+
+
+class MalformedChunkError(ValueError):
+    """Bytes that are not a WeightChunk; answered with INVALID_ARGUMENT."""
+
+
+@dataclass(frozen=True)
+class ReceivedChunk:
+    """A WeightChunk as received: every field but `data` in `header`, and `data` as a view of
+    the message's bytes."""
+
+    header: generator_pb2.WeightChunk
+    data: memoryview
+
+
+def _read_varint(raw: bytes, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if position >= len(raw) or shift > 63:
+            raise MalformedChunkError("malformed WeightChunk: bad varint")
+        byte = raw[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+
+
+def decode_weight_chunk(raw: bytes) -> ReceivedChunk:
+    """Parses a serialised WeightChunk without copying its data (protobuf would copy it twice).
+
+    The top-level fields are walked; `data` (the last one, if repeated, as protobuf decides) is
+    sliced out and every other field is parsed by protobuf itself.
+    """
+    view = memoryview(raw)
+    data = view[:0]
+    header_parts = []
+    position = 0
+    while position < len(raw):
+        field_start = position
+        key, position = _read_varint(raw, position)
+        wire_type = key & 7
+        if wire_type == 0:
+            _, position = _read_varint(raw, position)
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == 2:
+            length, position = _read_varint(raw, position)
+            position += length
+        elif wire_type == 5:
+            position += 4
+        else:
+            raise MalformedChunkError(f"malformed WeightChunk: wire type {wire_type}")
+        if position > len(raw):
+            raise MalformedChunkError("malformed WeightChunk: a field runs past the message")
+        if key == _DATA_KEY:
+            data = view[position - length : position]
+        else:
+            header_parts.append(view[field_start:position])
+    try:
+        header = generator_pb2.WeightChunk.FromString(b"".join(header_parts))
+    except DecodeError as error:
+        raise MalformedChunkError(f"malformed WeightChunk: {error}") from error
+    return ReceivedChunk(header, data)
 
 
 @dataclass(frozen=True)
@@ -43,8 +120,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def __init__(self, engine: GeneratorEngine, health_servicer: health.aio.HealthServicer):
         self._engine = engine
         self._health = health_servicer
-        # One update at a time: each buffers a whole model, and versions must apply in order.
+        # One update at a time: they share the staging file, and versions apply in order.
         self._update_lock = asyncio.Lock()
+        self._staging: StagingFile | None = None  # created by the first update
 
     async def Generate(self, request: generator_pb2.GenerateRequest, context):
         prompts = [(prompt.id, list(prompt.token_ids)) for prompt in request.prompts]
@@ -81,6 +159,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             await context.abort(error.code, error.message)
 
     async def UpdateWeights(self, request_iterator, context) -> generator_pb2.UpdateWeightsResponse:
+        """Receives a stream of `ReceivedChunk`s (see `add_generator_service`)."""
         specs = self._engine.weight_specs
         if specs is None:
             await context.abort(
@@ -90,41 +169,64 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             started = time.monotonic()
             assembler = WeightAssembler(specs, self._engine.policy_version)
             try:
+                if self._staging is None:
+                    self._staging = StagingFile(self._engine.staging_dir)
+                staging = self._staging
+                staging.check_space(minimum_update_bytes(specs))
                 async for chunk in request_iterator:
-                    assembler.add(
-                        chunk.policy_version,
-                        chunk.num_tensors,
-                        chunk.name,
-                        chunk.dtype,
-                        chunk.shape,
-                        chunk.offset,
+                    header = chunk.header
+                    position = assembler.add(
+                        header.policy_version,
+                        header.num_tensors,
+                        header.name,
+                        header.dtype,
+                        header.shape,
+                        header.offset,
                         chunk.data,
-                        chunk.allow_rollback,
+                        header.allow_rollback,
                     )
+                    await staging.write(position, chunk.data)
                 tensors = assembler.finish()
+                await staging.flush(assembler.staged_bytes)
+                received_seconds = time.monotonic() - started
                 pause_seconds = await self._engine.swap_weights(
-                    tensors, assembler.policy_version, assembler.allow_rollback
+                    staging.path, tensors, assembler.policy_version, assembler.allow_rollback
                 )
             except WeightUpdateError as error:
                 logger.warning("weight update refused: %s", error.message)
                 await context.abort(error.code, error.message)
+            except MalformedChunkError as error:
+                logger.warning("weight update refused: %s", error)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             finally:
+                if self._staging is not None:
+                    await self._staging.settle()
                 await self._publish_health()
+        seconds = time.monotonic() - started
         logger.info(
-            "policy_version %d live: %d tensors, %d bytes, %.2fs (paused %.2fs)",
+            "policy_version %d live: %d tensors, %d bytes in %d chunks, %.2fs (received in "
+            "%.2fs, paused %.2fs)",
             assembler.policy_version,
             len(tensors),
             assembler.num_bytes,
-            time.monotonic() - started,
+            assembler.num_chunks,
+            seconds,
+            received_seconds,
             pause_seconds,
         )
         return generator_pb2.UpdateWeightsResponse(
             policy_version=assembler.policy_version,
             num_tensors=len(tensors),
             num_bytes=assembler.num_bytes,
-            seconds=time.monotonic() - started,
+            seconds=seconds,
             pause_seconds=pause_seconds,
         )
+
+    def close(self) -> None:
+        """Deletes the staging file; call once the server has stopped."""
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
     async def GetStatus(self, request, context) -> generator_pb2.GeneratorStatus:
         engine = self._engine
@@ -154,12 +256,61 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             await self._health.set(service, status)
 
 
+def add_generator_service(servicer: GeneratorServicer, server: grpc.aio.Server) -> None:
+    """Registers the Generator service, as the generated `add_GeneratorServicer_to_server` does,
+    but with UpdateWeights' requests decoded by `decode_weight_chunk`."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=generator_pb2.GenerateRequest.FromString,
+            response_serializer=generator_pb2.Completion.SerializeToString,
+        ),
+        "UpdateWeights": grpc.stream_unary_rpc_method_handler(
+            servicer.UpdateWeights,
+            request_deserializer=decode_weight_chunk,
+            response_serializer=generator_pb2.UpdateWeightsResponse.SerializeToString,
+        ),
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStatus,
+            request_deserializer=generator_pb2.GetStatusRequest.FromString,
+            response_serializer=generator_pb2.GeneratorStatus.SerializeToString,
+        ),
+    }
+    methods = generator_pb2.DESCRIPTOR.services_by_name["Generator"].methods_by_name
+    if set(handlers) != set(methods):
+        raise RuntimeError(
+            f"the server handles {sorted(handlers)} but the .proto defines {sorted(methods)}"
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _keep_freed_memory() -> None:
+    """Makes glibc keep freed heap memory for reuse instead of returning it to the system.
+
+    gRPC reads every weight chunk (a few MiB) into freshly allocated buffers. With glibc's
+    defaults, the freed ones are handed back to the kernel, and each message faults in and
+    zeroes new pages: about a third of the server's CPU time while receiving an update. Kept,
+    they are reused. The heap then stays at its peak, which is a few chunks.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return  # not glibc
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest: chunk buffers come from the heap
+    mallopt(m_trim_threshold, 256 << 20)
+    mallopt(m_top_pad, 64 << 20)
+
+
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def serve(engine_config: EngineConfig, options: ServerOptions) -> None:
     """Runs until SIGTERM/SIGINT, then drains calls for `shutdown_grace` seconds and exits."""
+    _keep_freed_memory()
     interceptors = [TokenAuthInterceptor(options.auth_token)] if options.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=list(CHANNEL_OPTIONS))
     address = _bind_address(options.host, options.port)
@@ -175,12 +326,12 @@ async def serve(engine_config: EngineConfig, options: ServerOptions) -> None:
         loop.add_signal_handler(signum, stop.set)
 
     engine = GeneratorEngine(engine_config)
+    servicer = None
     try:
         await engine.start()
         health_servicer = health.aio.HealthServicer()
-        generator_pb2_grpc.add_GeneratorServicer_to_server(
-            GeneratorServicer(engine, health_servicer), server
-        )
+        servicer = GeneratorServicer(engine, health_servicer)
+        add_generator_service(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
@@ -201,4 +352,6 @@ async def serve(engine_config: EngineConfig, options: ServerOptions) -> None:
         await health_servicer.enter_graceful_shutdown()
         await server.stop(options.shutdown_grace)
     finally:
+        if servicer is not None:
+            servicer.close()
         engine.shutdown()

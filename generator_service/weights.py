@@ -1,20 +1,32 @@
-"""Assembling and validating a streamed weight update, and staging it as a safetensors file.
+"""Validating a streamed weight update and staging it, byte for byte, where the engine loads it.
 
 Nothing here touches the engine: a stream is fully received and checked first, so that any
 malformed stream is refused while the old weights keep serving. The expected tensors (names,
 shapes, dtypes) are read from the served model folder's safetensors headers, which hold the
 Hugging Face names the learner exports; a tied `lm_head` is absent there and so refused.
-Pure Python (no torch): the staged file is written from the received bytes directly.
+
+Staging: every chunk's bytes are written straight to their final place in one file (the
+tensor's region + the chunk's offset) as they arrive, so the update is never assembled in memory.
+Regions are handed out as tensors start, page-aligned, in the learner's order: a tensor's size
+is known only from the dtype of its first chunk (each tensor may come in any wire dtype). The
+file is raw bytes, not safetensors: the engine gets each tensor's name, dtype, shape and position
+with the reload call, maps the file and loads views of it (`worker_extension.py`). Pure Python
+(no torch).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import json
 import math
 import os
+import shutil
 import struct
+import tempfile
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +39,8 @@ WIRE_DTYPES: dict[str, tuple[str, int]] = {
     "float16": ("F16", 2),
 }
 _SAFETENSORS_TO_WIRE = {code: name for name, (code, _) in WIRE_DTYPES.items()}
+# Every tensor's region starts on a page boundary: aligned views when the engine maps the file.
+STAGING_ALIGNMENT = 4096
 # Buffers some checkpoints carry that are recomputed by the engine, never trained.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -80,60 +94,65 @@ def expected_tensors(model_dir: str | os.PathLike) -> dict[str, TensorSpec]:
 
 @dataclass
 class _PartialTensor:
-    """One tensor being received: its buffer and the byte ranges filled so far (sorted)."""
+    """One tensor being received: its region of the staging file and the byte ranges filled so
+    far (sorted, disjoint)."""
 
     spec: TensorSpec
     wire_dtype: str
-    buffer: bytearray
+    position: int
+    nbytes: int
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
     received: int = 0
 
     @property
     def complete(self) -> bool:
-        return self.received == len(self.buffer)
+        return self.received == self.nbytes
 
-    def add(self, offset: int, data: bytes) -> None:
-        end = offset + len(data)
+    def add(self, offset: int, length: int) -> None:
+        end = offset + length
         name = self.spec.name
-        if end > len(self.buffer):
+        if end > self.nbytes:
             raise WeightUpdateError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"tensor {name}: chunk at byte offset {offset} with {len(data)} bytes ends at "
-                f"{end}, past the tensor's {len(self.buffer)} bytes ({self.wire_dtype} "
+                f"tensor {name}: chunk at byte offset {offset} with {length} bytes ends at "
+                f"{end}, past the tensor's {self.nbytes} bytes ({self.wire_dtype} "
                 f"{list(self.spec.shape)}): over-long data",
             )
         position = bisect.bisect_right(self.starts, offset)
         overlaps_before = position > 0 and self.ends[position - 1] > offset
         overlaps_after = position < len(self.starts) and self.starts[position] < end
-        if overlaps_before or overlaps_after or (not data and offset in self.starts):
+        if overlaps_before or overlaps_after or (not length and offset in self.starts):
             raise WeightUpdateError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"tensor {name}: bytes [{offset}, {end}) were already received: duplicated data",
             )
-        self.buffer[offset:end] = data
         self.starts.insert(position, offset)
         self.ends.insert(position, end)
-        self.received += len(data)
+        self.received += length
 
     def missing_description(self) -> str:
-        return f"{self.spec.name} (received {self.received} of {len(self.buffer)} bytes)"
+        return f"{self.spec.name} (received {self.received} of {self.nbytes} bytes)"
 
 
 @dataclass(frozen=True)
-class AssembledTensor:
+class StagedTensor:
+    """A complete tensor in the staging file: `nbytes` bytes at byte `position`."""
+
     name: str
     wire_dtype: str
     shape: tuple[int, ...]
-    data: bytearray
+    position: int
+    nbytes: int
 
 
 class WeightAssembler:
-    """Consumes the chunks of one UpdateWeights stream and checks them as they come.
+    """Checks the chunks of one UpdateWeights stream as they come and places them in the file.
 
     Every update must carry the complete set of the served model's tensors: vLLM's in-place reload
     materialises each layer afresh, so a layer given only some of its tensors would keep garbage
-    in the rest. Memory is bounded by one copy of the model in the dtypes sent.
+    in the rest. `add` returns where in the staging file a chunk's bytes go; the caller writes
+    them there. The file grows to one copy of the model in the dtypes sent.
     """
 
     def __init__(self, specs: dict[str, TensorSpec], current_version: int) -> None:
@@ -144,6 +163,7 @@ class WeightAssembler:
         self.allow_rollback = False
         self.num_chunks = 0
         self.num_bytes = 0
+        self.staged_bytes = 0  # the end of the last region handed out: the file's size
         self._tensors: dict[str, _PartialTensor] = {}
 
     def add(
@@ -154,10 +174,13 @@ class WeightAssembler:
         dtype: str,
         shape: Iterable[int],
         offset: int,
-        data: bytes,
+        data: bytes | memoryview,
         allow_rollback: bool = False,
-    ) -> None:
-        """Checks one chunk and copies its bytes; raises WeightUpdateError on the first problem."""
+    ) -> int:
+        """Checks one chunk; returns the byte position in the staging file where `data` goes.
+
+        Raises WeightUpdateError on the first problem.
+        """
         self.num_chunks += 1
         where = f"chunk {self.num_chunks} (tensor {name or '<unnamed>'})"
         if self.policy_version is None:
@@ -181,10 +204,11 @@ class WeightAssembler:
                 f"{where} has dtype {dtype} and shape {list(shape)}; earlier chunks of this "
                 f"tensor had {partial.wire_dtype} and {list(partial.spec.shape)}"
             )
-        if not data and len(partial.buffer) > 0:
+        if not len(data) and partial.nbytes > 0:
             raise _invalid(f"{where} at offset {offset} carries no data")
-        partial.add(offset, data)
+        partial.add(offset, len(data))
         self.num_bytes += len(data)
+        return partial.position + offset
 
     def _check_header(self, policy_version: int, num_tensors: int, allow_rollback: bool) -> None:
         if policy_version <= self.current_version and not allow_rollback:
@@ -220,12 +244,17 @@ class WeightAssembler:
         if len(self._tensors) >= len(self.specs):
             raise _invalid(f"{where}: more than num_tensors={self.num_tensors} tensors")
         nbytes = math.prod(shape) * WIRE_DTYPES[dtype][1]
-        partial = _PartialTensor(spec, dtype, bytearray(nbytes))
+        position = -self.staged_bytes % STAGING_ALIGNMENT + self.staged_bytes
+        self.staged_bytes = position + nbytes
+        partial = _PartialTensor(spec, dtype, position, nbytes)
         self._tensors[name] = partial
         return partial
 
-    def finish(self) -> list[AssembledTensor]:
-        """Called at the end of the stream: every tensor present and complete, or DATA_LOSS."""
+    def finish(self) -> list[StagedTensor]:
+        """Called at the end of the stream: every tensor present and complete, or DATA_LOSS.
+
+        Returns the tensors in the order they started (the learner's, layer by layer, which is
+        the order in which the engine's layer-wise reload wants them)."""
         if self.policy_version is None:
             raise _invalid("the weight stream was empty")
         incomplete = [p.missing_description() for p in self._tensors.values() if not p.complete]
@@ -242,36 +271,120 @@ class WeightAssembler:
                 f"{self.num_tensors} tensors were complete; " + "; ".join(parts),
             )
         return [
-            AssembledTensor(p.spec.name, p.wire_dtype, p.spec.shape, p.buffer)
+            StagedTensor(p.spec.name, p.wire_dtype, p.spec.shape, p.position, p.nbytes)
             for p in self._tensors.values()
         ]
 
 
+def minimum_update_bytes(specs: dict[str, TensorSpec]) -> int:
+    """The least staging space a complete update can take (every tensor in a 2-byte dtype)."""
+    smallest = min(size for _, size in WIRE_DTYPES.values())
+    return sum(math.prod(spec.shape) * smallest for spec in specs.values())
+
+
+class StagingFile:
+    """The file updates are staged in, written chunk by chunk at the positions given by
+    `WeightAssembler.add`, then loaded by the engine; one update at a time.
+
+    One file serves every update of a server: its pages stay allocated, and writing over them
+    costs about half as much as writing into fresh ones (measured on tmpfs), at the price of
+    keeping one copy of the model in the staging folder between updates. Files left by servers
+    that died are removed when a server creates its own.
+
+    Writes run in a thread of their own (`os.pwrite` releases the GIL), so that the next chunk
+    is received while the last one is written; at most `max_pending` chunks wait to be written.
+    A full disk (`ENOSPC` from pwrite, never a SIGBUS as with a mapped file) is answered with
+    RESOURCE_EXHAUSTED.
+    """
+
+    PREFIX = "jaxrlhf-weights-"
+
+    def __init__(self, directory: str, max_pending: int = 4) -> None:
+        self.directory = directory
+        try:
+            _remove_stale_staging_files(directory, self.PREFIX)
+            fd, self.path = tempfile.mkstemp(
+                prefix=f"{self.PREFIX}{os.getpid()}-", suffix=".bin", dir=directory
+            )
+        except OSError as error:
+            raise WeightUpdateError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"cannot create a staging file in {directory}: {error}",
+            ) from error
+        self._fd: int | None = fd
+        self._max_pending = max_pending
+        self._pending: deque[asyncio.Future] = deque()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-staging")
+
+    def check_space(self, min_bytes: int) -> None:
+        """Refuses an update that cannot fit, before any of it is received."""
+        free = shutil.disk_usage(self.directory).free + os.fstat(self._fd).st_size
+        if free < min_bytes:
+            raise WeightUpdateError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"staging the update needs at least {min_bytes} bytes free in "
+                f"{self.directory}, which has {free}",
+            )
+
+    async def write(self, position: int, data: bytes | memoryview) -> None:
+        """Queues `data` to be written at `position`; waits while too many writes are queued."""
+        loop = asyncio.get_running_loop()
+        self._pending.append(loop.run_in_executor(self._writer, self._write, position, data))
+        while len(self._pending) > self._max_pending:
+            await self._next_done()
+
+    async def flush(self, size: int) -> None:
+        """Waits until every queued write is in the file, and sets its size to `size` (the end
+        of the update's last region: what a larger earlier update left beyond it goes)."""
+        while self._pending:
+            await self._next_done()
+        os.ftruncate(self._fd, size)
+
+    async def settle(self) -> None:
+        """Waits for the writes still queued, whatever their outcome (after a refused stream)."""
+        await asyncio.gather(*self._pending, return_exceptions=True)
+        self._pending.clear()
+
+    async def _next_done(self) -> None:
+        try:
+            await self._pending.popleft()
+        except OSError as error:
+            raise WeightUpdateError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"could not stage the update in {self.path}: {error}",
+            ) from error
+
+    def _write(self, position: int, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.pwrite(self._fd, view, position)
+            view, position = view[written:], position + written
+
+    def close(self) -> None:
+        """Deletes the file (call `settle` first if a stream may still be writing)."""
+        self._writer.shutdown(wait=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _remove_stale_staging_files(directory: str, prefix: str) -> None:
+    """Deletes the staging files of servers no longer running (named PREFIX<pid>-*.bin)."""
+    for path in Path(directory).glob(f"{prefix}*.bin"):
+        pid = path.name[len(prefix) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
 def _invalid(message: str) -> WeightUpdateError:
     return WeightUpdateError(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def write_safetensors(path: str | os.PathLike, tensors: list[AssembledTensor]) -> int:
-    """Writes `tensors` as one safetensors file straight from their bytes; returns its size.
-
-    Tensors are laid out by item size, largest first, so every one starts aligned to its dtype.
-    """
-    ordered = sorted(tensors, key=lambda t: (-WIRE_DTYPES[t.wire_dtype][1], t.name))
-    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for tensor in ordered:
-        end = offset + len(tensor.data)
-        header[tensor.name] = {
-            "dtype": WIRE_DTYPES[tensor.wire_dtype][0],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    with open(path, "wb") as file:
-        file.write(struct.pack("<Q", len(header_bytes)))
-        file.write(header_bytes)
-        for tensor in ordered:
-            file.write(tensor.data)
-    return 8 + len(header_bytes) + offset

@@ -1,6 +1,13 @@
 """Code that runs inside vLLM's worker process (`worker_extension_cls`), reached by collective_rpc.
 
-Why it exists: on the CPU backend every linear layer packs its weight into a kernel-specific copy
+Loading a staged update: the staging file (weights.py) is mapped into memory and every tensor
+handed to vLLM's in-place `reload_weights` is a view of its region (`weights_iterator`), so
+nothing is read or copied before vLLM copies each tensor into its parameter, exactly as when
+it reloads tensors already in memory. (Reloading from a folder instead would go through vLLM's
+checkpoint reader, which copies every tensor, and would repoint the model config at the
+staging folder.)
+
+Tied heads: on the CPU backend every linear layer packs its weight into a kernel-specific copy
 after loading. vLLM 0.32's in-place `reload_weights` repacks the layers it reloads, but a
 *tied* `lm_head` has no checkpoint tensor of its own, so it is not reloaded and keeps the packed
 copy of the *old* embedding: logits come from stale weights while the input embedding is new.
@@ -9,7 +16,52 @@ After the reload we repack every head whose weight is shared with another module
 
 from __future__ import annotations
 
+import logging
+import math
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
+
+# Wire dtype -> (numpy dtype of the same width, torch dtype). numpy has no bfloat16: its bytes
+# are viewed as int16 and reinterpreted by torch.
+_VIEW_DTYPES = {
+    "float32": (np.float32, torch.float32),
+    "bfloat16": (np.int16, torch.bfloat16),
+    "float16": (np.float16, torch.float16),
+}
+
+
+def map_staged_tensors(
+    path: str, tensors: Sequence[Sequence]
+) -> tuple[mmap.mmap, list[tuple[str, torch.Tensor]]]:
+    """Maps the staging file at `path`; returns the map and a (name, tensor view) per entry of
+    `tensors` ([name, wire dtype, shape, byte position], as the server sends them).
+
+    The views go through numpy because numpy holds the map's buffer while a view lives, so the
+    map cannot be closed under a tensor (torch.frombuffer does not). MAP_POPULATE maps every
+    page in one call instead of faulting them in one by one.
+    """
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mapped = mmap.mmap(
+            fd,
+            0,
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+    finally:
+        os.close(fd)
+    views = []
+    for name, wire_dtype, shape, position in tensors:
+        numpy_dtype, torch_dtype = _VIEW_DTYPES[wire_dtype]
+        array = np.frombuffer(mapped, numpy_dtype, math.prod(shape), position)
+        views.append((name, torch.from_numpy(array).view(torch_dtype).view(tuple(shape))))
+    return mapped, views
 
 
 def refresh_tied_heads(model: torch.nn.Module) -> int:
@@ -44,7 +96,17 @@ class WeightReloadExtension:
         """Re-seeds the RNG the sampler draws from (requests carry no generator of their own)."""
         torch.manual_seed(seed)
 
-    def jaxrlhf_reload_weights(self, weights_path: str) -> int:
-        """Reloads every checkpoint tensor in `weights_path` in place; returns tied heads fixed."""
-        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+    def jaxrlhf_reload_weights(self, path: str, tensors: list) -> int:
+        """Reloads the staged tensors (see `map_staged_tensors`) in place; returns tied heads
+        fixed."""
+        mapped, views = map_staged_tensors(path, tensors)
+        try:
+            self.reload_weights(weights_iterator=views, is_checkpoint_format=True)
+        finally:
+            del views
+            try:
+                mapped.close()
+            except BufferError:
+                # Something still holds a view; the map goes when the last one is freed.
+                logger.warning("a view of the weight staging file outlived the reload")
         return refresh_tied_heads(self.model_runner.get_model())

@@ -3,8 +3,13 @@
 `publish_weights` converts the (possibly sharded) Flax parameters to the Hugging Face layout one
 tensor at a time (`iter_hf_tensors`) and streams them in bounded chunks to every replica at once:
 each tensor is pulled from the devices once and fanned out, so the host never holds a second
-copy of the model. A replica that cannot be reached is retried with exponential back-off; a
-replica that rejects the update (a bad tensor, a stale version) fails at once with its message.
+copy of the model. The conversion runs in a thread of its own, a few chunks ahead of the
+sending, so that converting the next tensor overlaps with sending the last one.
+
+A replica whose stream breaks (it died, it refused the update) is dropped from the fan-out at
+once and the others go on. Then the replicas that could not be reached are retried alone, with
+exponential back-off; one that rejected the update (a bad tensor, a stale version) is not. The
+error names every replica that failed and says which ones swapped.
 """
 
 from __future__ import annotations
@@ -14,16 +19,19 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
 
 from jaxrlhf.rl.rollout import Sample
 from jaxrlhf.rpc import generator_pb2
-from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient, iter_weight_chunks
+from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient, encode_weight_chunks
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Chunks queued ahead of each replica's stream: bounds the host memory of a broadcast to this
+# many chunks per replica, plus the tensor being converted.
+CHUNKS_AHEAD = 4
 
 
 class GeneratorError(RuntimeError):
@@ -41,6 +49,77 @@ class PublishStats:
 
 def _describe(target: str, error: grpc.RpcError) -> str:
     return f"generator {target}: {error.code().name}: {error.details()}"
+
+
+class _End:
+    """Marks the end of a replica's chunk stream; carries the producer's error, if it failed."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+class _ReplicaFeed:
+    """The chunks on their way to one replica's UpdateWeights stream, a few at most.
+
+    Once the replica's call has ended (it failed, or it answered early) the feed is closed: what
+    is queued is dropped and later chunks are not queued, so a dead replica never blocks the
+    producer, and so never the other replicas.
+    """
+
+    def __init__(self, depth: int) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._closed = threading.Event()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def put(self, item: bytes | _End) -> None:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        self._closed.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def chunks(self) -> Iterator[bytes]:
+        """The request stream (iterated by gRPC's thread); raises if the producer failed, which
+        cancels the call."""
+        while True:
+            item = self._queue.get()
+            if isinstance(item, _End):
+                if item.error is not None:
+                    raise RuntimeError("the weight stream failed on the learner") from item.error
+                return
+            yield item
+
+
+def _produce(chunks: Iterator[bytes], feeds: Sequence[_ReplicaFeed]) -> BaseException | None:
+    """Hands every chunk to every open feed, then the end mark; returns the stream's error."""
+    error = None
+    try:
+        for chunk in chunks:
+            if all(feed.closed for feed in feeds):
+                break  # every call has ended: converting the rest would be wasted
+            for feed in feeds:
+                feed.put(chunk)
+    except BaseException as caught:  # noqa: BLE001 - handed to the caller, which re-raises it
+        error = caught
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+    for feed in feeds:
+        feed.put(_End(error))
+    return error
 
 
 class GeneratorPool:
@@ -61,6 +140,7 @@ class GeneratorPool:
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self.chunk_bytes = chunk_bytes
+        # A thread per replica for Generate calls, another for UpdateWeights (concurrent).
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(targets))
 
     def _with_retries(self, target: str, call: Callable[[], Any]) -> tuple[Any, int]:
@@ -140,61 +220,88 @@ class GeneratorPool:
         policy_version: int,
         allow_rollback: bool = False,
     ) -> PublishStats:
-        """Sends one stream of tensors to every replica as `policy_version`; returns on swap.
+        """Sends one stream of tensors to every replica as `policy_version`; returns once every
+        replica has swapped, or raises GeneratorError naming each replica that did not.
 
+        `tensor_stream()` is called once per attempt (a retry converts the tensors again).
         `allow_rollback`: replicas accept a version not newer than theirs (resuming a run)."""
         started = time.perf_counter()
+        responses: dict[str, generator_pb2.UpdateWeightsResponse] = {}
+        failures: dict[str, grpc.RpcError] = {}
+        pending = list(self.clients)
+        delay = self.backoff_seconds
         for attempt in range(1, self.retries + 2):
-            try:
-                responses = self._broadcast(
-                    tensor_stream, num_tensors, policy_version, allow_rollback
-                )
+            outcomes = self._broadcast(
+                pending, tensor_stream, num_tensors, policy_version, allow_rollback
+            )
+            pending = []
+            for client, outcome in outcomes.items():
+                if isinstance(outcome, grpc.RpcError):
+                    failures[client.target] = outcome
+                    if outcome.code() in RETRYABLE:
+                        pending.append(client)
+                else:
+                    responses[client.target] = outcome
+                    failures.pop(client.target, None)
+            if not pending or attempt > self.retries:
                 break
-            except grpc.RpcError as error:
-                if error.code() not in RETRYABLE or attempt > self.retries:
-                    raise GeneratorError(
-                        f"weight update {policy_version} failed: {error.details()}"
-                    ) from error
-                time.sleep(min(self.backoff_seconds * 2 ** (attempt - 1), 30.0))
+            time.sleep(delay)
+            delay = min(delay * 2, 30.0)
+        if failures:
+            swapped = f"; swapped: {', '.join(responses)}" if responses else "; none swapped"
+            raise GeneratorError(
+                f"weight update {policy_version} failed on {len(failures)} of "
+                f"{len(self.clients)} generators after {attempt} attempt(s): "
+                + "; ".join(_describe(target, error) for target, error in failures.items())
+                + swapped
+            )
+        first = next(iter(responses.values()))
         return PublishStats(
             policy_version=policy_version,
             num_tensors=num_tensors,
-            num_bytes=int(responses[0].num_bytes),
+            num_bytes=int(first.num_bytes),
             seconds=time.perf_counter() - started,
             attempts=attempt,
         )
 
-    def _broadcast(self, tensor_stream, num_tensors: int, policy_version: int, allow_rollback):
-        chunks = iter_weight_chunks(
+    def _broadcast(
+        self,
+        clients: Iterable[GeneratorClient],
+        tensor_stream: Callable[[], Iterator[tuple[str, Any]]],
+        num_tensors: int,
+        policy_version: int,
+        allow_rollback: bool,
+    ) -> dict[GeneratorClient, generator_pb2.UpdateWeightsResponse | grpc.RpcError]:
+        """One UpdateWeights call per client, all fed from one conversion of the tensors (in a
+        producer thread); returns each call's response or error. Re-raises the producer's error
+        (the conversion failed) once every call has ended."""
+        chunks = encode_weight_chunks(
             tensor_stream(), policy_version, self.chunk_bytes, num_tensors, allow_rollback
         )
-        if len(self.clients) == 1:
-            client = self.clients[0]
-            return [client.stub.UpdateWeights(chunks, metadata=client.metadata)]
-        # Fan-out: each chunk is produced once and handed to every replica's request stream.
-        done = object()
-        queues = [queue.Queue(maxsize=8) for _ in self.clients]
-
-        def feed():
-            for chunk in chunks:
-                for q in queues:
-                    q.put(chunk)
-            for q in queues:
-                q.put(done)
-
-        def drain(q: queue.Queue):
-            while (item := q.get()) is not done:
-                yield item
-
-        feeder = threading.Thread(target=feed, daemon=True)
-        feeder.start()
-        futures = [
-            self._pool.submit(client.stub.UpdateWeights, drain(q), metadata=client.metadata)
-            for client, q in zip(self.clients, queues, strict=True)
-        ]
-        responses = [f.result() for f in futures]
-        feeder.join()
-        return responses
+        feeds = {client: _ReplicaFeed(CHUNKS_AHEAD) for client in clients}
+        futures = {}
+        for client, feed in feeds.items():
+            future = self._pool.submit(client.update_weights_encoded, feed.chunks())
+            future.add_done_callback(lambda _, feed=feed: feed.close())
+            futures[client] = future
+        # A thread of its own, not the pool's: the calls above wait for it.
+        produced: list[BaseException | None] = []
+        producer = threading.Thread(
+            target=lambda: produced.append(_produce(chunks, list(feeds.values()))),
+            name="weight-producer",
+            daemon=True,
+        )
+        producer.start()
+        outcomes: dict[GeneratorClient, Any] = {}
+        for client, future in futures.items():
+            try:
+                outcomes[client] = future.result()
+            except grpc.RpcError as error:
+                outcomes[client] = error
+        producer.join()
+        if produced[0] is not None:
+            raise produced[0]
+        return outcomes
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

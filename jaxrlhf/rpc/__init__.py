@@ -103,6 +103,7 @@ SERVICE_NAME = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
 from jaxrlhf.rpc.client import (  # noqa: E402  (needs the stubs above)
     GeneratorClient,
     auth_metadata,
+    encode_weight_chunks,
     iter_weight_chunks,
 )
 
@@ -111,6 +112,7 @@ __all__ = [
     "SERVICE_NAME",
     "GeneratorClient",
     "auth_metadata",
+    "encode_weight_chunks",
     "generator_pb2",
     "generator_pb2_grpc",
     "iter_weight_chunks",

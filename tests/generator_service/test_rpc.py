@@ -63,3 +63,53 @@ def test_weight_chunks_from_a_one_pass_iterator_with_a_given_count():
     chunks = list(iter_weight_chunks(arrays, 2, num_tensors=4))
     assert [c.name for c in chunks] == ["t0", "t1", "t2", "t3"]
     assert {c.num_tensors for c in chunks} == {4}
+
+
+def test_encoded_chunks_are_the_same_messages_and_decode_without_copying_their_data():
+    from generator_service.server import decode_weight_chunk
+    from jaxrlhf.rpc import encode_weight_chunks
+
+    arrays = {
+        "embed": np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16),
+        "norm": np.linspace(0, 1, 300, dtype=np.float32),
+        "empty": np.zeros((0, 4), np.float16),
+    }
+    messages = list(iter_weight_chunks(arrays, 7, chunk_bytes=256, allow_rollback=True))
+    encoded = list(encode_weight_chunks(arrays, 7, chunk_bytes=256, allow_rollback=True))
+    assert len(encoded) == len(messages) == 1 + 5 + 1
+    for raw, message in zip(encoded, messages, strict=True):
+        assert generator_pb2.WeightChunk.FromString(raw) == message
+        for wire in (raw, message.SerializeToString()):
+            decoded = decode_weight_chunk(wire)
+            assert decoded.data.obj is wire  # a view of the received bytes
+            assert bytes(decoded.data) == message.data
+            header = generator_pb2.WeightChunk()
+            header.CopyFrom(message)
+            header.ClearField("data")
+            assert decoded.header == header
+
+
+def test_malformed_bytes_are_refused_as_invalid_argument(tiny_llama):
+    import grpc
+    import pytest
+
+    from generator_service.server import MalformedChunkError, decode_weight_chunk
+    from generator_service.weights import expected_tensors
+    from jaxrlhf.rpc.client import CHANNEL_OPTIONS, UPDATE_WEIGHTS_METHOD
+    from tests.generator_service.replicas import RecordingReplica
+
+    good = generator_pb2.WeightChunk(name="x", data=b"abcd").SerializeToString()
+    bad_name = b"\x1a\x02\xff\xfe"  # field 3 (name, a string) that is not UTF-8
+    overlong_varint = b"\x3a" + b"\xff" * 10 + b"\x01"
+    for bad in (good[:-1], b"\xff", overlong_varint, b"\x0f", bad_name):
+        with pytest.raises(MalformedChunkError, match="malformed WeightChunk"):
+            decode_weight_chunk(bad)
+    replica = RecordingReplica(expected_tensors(tiny_llama))
+    try:
+        with grpc.insecure_channel(replica.address, options=list(CHANNEL_OPTIONS)) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                channel.stream_unary(UPDATE_WEIGHTS_METHOD)(iter([b"\xff"]))
+    finally:
+        replica.stop()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed WeightChunk" in caught.value.details()

@@ -1,17 +1,24 @@
-"""Fast checks of update assembly and staging (no engine): every malformed-stream rule."""
+"""Fast checks of update validation, staging and decoding (no engine): every malformed-stream
+rule, and the staged bytes as the engine's worker maps them."""
 
 from __future__ import annotations
+
+import asyncio
+import errno
+import os
 
 import grpc
 import numpy as np
 import pytest
 
 from generator_service.weights import (
+    STAGING_ALIGNMENT,
+    StagingFile,
     TensorSpec,
     WeightAssembler,
     WeightUpdateError,
     expected_tensors,
-    write_safetensors,
+    minimum_update_bytes,
 )
 
 SPECS = {
@@ -51,9 +58,28 @@ def refused(chunks, current_version=0) -> WeightUpdateError:
     return caught.value
 
 
-def test_chunks_in_any_order_reassemble_exactly(tmp_path):
+def stage(chunks, staging: StagingFile, current_version=0):
+    """Validates and writes `chunks` as the server does; returns the staged tensors."""
+
+    async def run():
+        assembler = WeightAssembler(SPECS, current_version)
+        staging.check_space(minimum_update_bytes(SPECS))
+        try:
+            for item in chunks:
+                await staging.write(assembler.add(**item), item["data"])
+            tensors = assembler.finish()
+            await staging.flush(assembler.staged_bytes)
+            return tensors
+        finally:
+            await staging.settle()
+
+    return asyncio.run(run())
+
+
+def test_chunks_in_any_order_are_staged_exactly_where_the_worker_maps_them(tmp_path):
     import torch
-    from safetensors.torch import load_file
+
+    from generator_service.worker_extension import map_staged_tensors
 
     values = arrays()
     embed = values["model.embed_tokens.weight"].tobytes()
@@ -63,11 +89,14 @@ def test_chunks_in_any_order_reassemble_exactly(tmp_path):
         chunk("model.norm.weight", norm, dtype="float16"),
         chunk("model.embed_tokens.weight", embed[:40]),
     ]
-    tensors = assemble(chunks)
-    path = tmp_path / "model.safetensors"
-    size = write_safetensors(path, tensors)
-    assert size == path.stat().st_size
-    loaded = load_file(path)
+    staging = StagingFile(str(tmp_path), max_pending=1)
+    tensors = stage(chunks, staging)
+    assert [t.name for t in tensors] == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert [t.position % STAGING_ALIGNMENT for t in tensors] == [0, 0]
+    assert os.path.getsize(staging.path) == tensors[-1].position + tensors[-1].nbytes
+    manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
+    mapped, views = map_staged_tensors(staging.path, manifest)
+    loaded = dict(views)
     assert loaded["model.norm.weight"].dtype == torch.float16
     np.testing.assert_array_equal(
         loaded["model.embed_tokens.weight"].numpy(), values["model.embed_tokens.weight"]
@@ -75,6 +104,72 @@ def test_chunks_in_any_order_reassemble_exactly(tmp_path):
     np.testing.assert_array_equal(
         loaded["model.norm.weight"].numpy(), values["model.norm.weight"].astype(np.float16)
     )
+    with pytest.raises(BufferError):
+        mapped.close()  # the views hold the map: it cannot be closed under them
+    del views, loaded
+    mapped.close()
+    # The next update reuses the file: a smaller one (float16 only) shrinks it to its size.
+    smaller = [
+        chunk(name, value.astype(np.float16).tobytes(), dtype="float16")
+        for name, value in values.items()
+    ]
+    tensors = stage(smaller, staging)
+    assert os.path.getsize(staging.path) == tensors[-1].position + tensors[-1].nbytes
+    staging.close()
+    assert not os.path.exists(staging.path)
+
+
+def test_bfloat16_is_mapped_bit_for_bit(tmp_path):
+    import ml_dtypes
+    import torch
+
+    from generator_service.worker_extension import map_staged_tensors
+
+    values = {name: value.astype(ml_dtypes.bfloat16) for name, value in arrays().items()}
+    chunks = [
+        chunk(name, value.tobytes(), dtype="bfloat16", num_tensors=2)
+        for name, value in values.items()
+    ]
+    staging = StagingFile(str(tmp_path))
+    tensors = stage(chunks, staging)
+    manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
+    _, views = map_staged_tensors(staging.path, manifest)
+    for name, view in views:
+        assert view.dtype == torch.bfloat16
+        expected = torch.from_numpy(values[name].view(np.int16)).view(torch.bfloat16)
+        assert torch.equal(view, expected)
+    del views
+    staging.close()
+
+
+def test_staging_refuses_a_full_disk_up_front_and_on_write(tmp_path, monkeypatch):
+    staging = StagingFile(str(tmp_path), max_pending=1)
+    with pytest.raises(WeightUpdateError) as caught:
+        staging.check_space(1 << 62)
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "needs at least" in caught.value.message
+
+    def full(fd, data, position):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    values = arrays()
+    chunks = [chunk(name, value.tobytes()) for name, value in values.items()]
+    with pytest.raises(WeightUpdateError) as caught:
+        stage(chunks, staging)
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "No space left on device" in caught.value.message
+    staging.close()
+
+
+def test_staging_files_of_dead_servers_are_removed(tmp_path):
+    stale = tmp_path / f"{StagingFile.PREFIX}999999999-x.bin"  # above any pid_max: not running
+    live = tmp_path / f"{StagingFile.PREFIX}{os.getpid()}-y.bin"
+    stale.write_bytes(b"old")
+    live.write_bytes(b"mine")
+    staging = StagingFile(str(tmp_path))
+    assert not stale.exists() and live.exists()
+    staging.close()
 
 
 def test_expected_tensors_reads_sharded_index(tmp_path):
