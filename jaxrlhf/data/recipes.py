@@ -48,38 +48,39 @@ def _count(task, split: str) -> int | None:
     return _limit(task.num_eval if split == "eval" else task.num_train)
 
 
+# The dataset modules, each with prompt_examples / sft_examples(source, split, limit).
+_DATASETS = {"tldr": tldr, "nobots": nobots, "gsm8k": gsm8k}
+
+
+def _dataset_module(task):
+    if task.name not in _DATASETS:
+        raise ValueError(f"unknown task {task.name!r}; one of {TASKS}")
+    return _DATASETS[task.name]
+
+
 def prompt_examples(task, split: str, seed: int = 0) -> list[PromptExample]:
     """The prompts of `split` ("train" or "eval") with their references (and answers)."""
-    name, count = task.name, _count(task, split)
-    if name == "arithmetic":
+    count = _count(task, split)
+    if task.name == "arithmetic":
         return [
             PromptExample(
                 p.id, [{"role": "user", "content": p.question}], None, str(p.answer), str(p.answer)
             )  # fmt: skip
             for p in make_problems(count or 0, "train" if split == "train" else "eval", seed)
         ]
-    dataset_split = split_name(task, split)
-    if name == "tldr":
-        return tldr.prompt_examples(_source(task, tldr.DEFAULT_SOURCE), dataset_split, count)
-    if name == "nobots":
-        return nobots.prompt_examples(_source(task, nobots.DEFAULT_SOURCE), dataset_split, count)
-    if name == "gsm8k":
-        return gsm8k.prompt_examples(_source(task, gsm8k.DEFAULT_SOURCE), dataset_split, count)
-    raise ValueError(f"unknown task {name!r}; one of {TASKS}")
+    module = _dataset_module(task)
+    return module.prompt_examples(
+        _source(task, module.DEFAULT_SOURCE), split_name(task, split), count
+    )
 
 
 def sft_examples(task, split: str, seed: int = 0) -> list[SFTExample]:
-    name, count = task.name, _count(task, split)
-    if name == "arithmetic":
+    if task.name == "arithmetic":
         return [SFTExample(p, p.reference) for p in prompt_examples(task, split, seed)]
-    dataset_split = split_name(task, split)
-    if name == "tldr":
-        return tldr.sft_examples(_source(task, tldr.DEFAULT_SOURCE), dataset_split, count)
-    if name == "nobots":
-        return nobots.sft_examples(_source(task, nobots.DEFAULT_SOURCE), dataset_split, count)
-    if name == "gsm8k":
-        return gsm8k.sft_examples(_source(task, gsm8k.DEFAULT_SOURCE), dataset_split, count)
-    raise ValueError(f"unknown task {name!r}; one of {TASKS}")
+    module = _dataset_module(task)
+    return module.sft_examples(
+        _source(task, module.DEFAULT_SOURCE), split_name(task, split), _count(task, split)
+    )
 
 
 def preference_pairs(task, split: str) -> list[PreferencePair]:
