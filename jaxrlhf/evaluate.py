@@ -102,15 +102,21 @@ def in_chunks(fn, arrays: dict[str, np.ndarray]) -> np.ndarray:
     return np.concatenate(out)
 
 
-def gold_scores(path: Path, mesh, prompts, responses) -> np.ndarray:
+def gold_scores(path: Path, mesh, prompts, *response_sets) -> list[np.ndarray]:
+    """The gold reward model's score of each response of each set (one load of the model)."""
     import transformers
 
     from jaxrlhf.stages.reward import RewardScorer
 
     scorer = RewardScorer(path, mesh)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    arrays = prompt_response_batches(tokenizer, prompts, responses)
-    return in_chunks(lambda b: scorer(b["input_ids"], b["attention_mask"]), arrays)
+    return [
+        in_chunks(
+            lambda b: scorer(b["input_ids"], b["attention_mask"]),
+            prompt_response_batches(tokenizer, prompts, responses),
+        )  # fmt: skip
+        for responses in response_sets
+    ]
 
 
 def response_logprobs(path: Path, mesh, prompts, responses) -> list[np.ndarray]:
@@ -175,8 +181,9 @@ def evaluate(config, step_dir: Path, out_dir: Path, log) -> dict:
     kwargs: dict = {"response_lengths": lengths}
     if config.eval.gold_reward_model:
         gold = resolve_model(config.eval.gold_reward_model)
-        policy_scores = gold_scores(gold, mesh, prompts, texts)
-        reference_scores = gold_scores(gold, mesh, prompts, [p.reference for p in prompts])
+        policy_scores, reference_scores = gold_scores(
+            gold, mesh, prompts, texts, [p.reference for p in prompts]
+        )
         kwargs.update(policy_scores=policy_scores, reference_scores=reference_scores)
         for row, a, b in zip(rows, policy_scores, reference_scores, strict=True):
             row.update(policy_score=float(a), reference_score=float(b))
