@@ -51,10 +51,9 @@ How each figure is computed (per-step keys of metrics.jsonl):
 Prints one JSON line with every figure, then a table; writes the JSON to `{out}/results.json`.
 Extra `--config.KEY=VALUE` arguments are passed to both runs.
 
-Runtime on the 2-core CPU machine (an estimate for SmolLM2, from the default run's step times:
-~45 s per update on both cores shared, so ~60-80 s on one core, plus ~15 s of generation per
-update in the sync run): ~15 min per run, ~30 min in all. Measured: `--model tiny --steps 5`
-took 160 s + 134 s (mostly engine start and compilation on one core).
+Runtime on the 2-core CPU machine, measured: 907 s (sync) + 820 s (async) for SmolLM2 with the
+defaults (~70 s per update on one core each, engine start and compilation included; results in
+BENCHMARKS.md); `--model tiny --steps 5` took 160 s + 134 s.
 """
 
 from __future__ import annotations
@@ -269,6 +268,9 @@ def run_overrides(args, mode: str, out: Path) -> dict[str, Any]:
         "total_steps": args.steps,
         "checkpoint.every": args.steps,
         "export": False,
+        # No held-out evaluation between steps: in the async run the producer would keep
+        # generating during it, outside any step's time (before and after training still run).
+        "eval.every": 0,
     }
     if args.cpus_generator:
         overrides["generator.cpus"] = args.cpus_generator

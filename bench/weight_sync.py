@@ -1,17 +1,26 @@
-"""Weight sync: JAX arrays -> generator service -> "swap done", next to an in-process vLLM
-`reload_weights` of the same tensors, measured side by side in one run.
+"""Weight sync: JAX arrays -> generator service -> "swap done", by both transports, next to an
+in-process vLLM `reload_weights` of the same tensors, measured side by side in one run.
 
     python bench/weight_sync.py                 # SmolLM2-135M, fp32 and bf16
     python bench/weight_sync.py --dtypes bfloat16 --repeats 9
 
-End to end = converting the (sharded) Flax params to the HF layout tensor by tensor (in a thread,
-overlapped with the sending), streaming them in 4 MiB chunks over loopback gRPC, validating and
-writing them into the service's staging file as they arrive, and swapping them in: vLLM's
-`reload_weights` on views of that file, plus the repack of the tied lm_head (which a plain
-reload leaves stale). In-process = `LLM.collective_rpc("reload_weights", weights_iterator=...)`
-on the same tensors already in memory (the paper's in-process copy, without conversion or that
-repack). Prints one JSON line per dtype: medians over the repeats (the first update of a server
-is the slowest: its staging file and buffers are new), and the fastest repeat of each.
+End to end = converting the (sharded) Flax params to the HF layout tensor by tensor, getting them
+to the service, validating, and swapping them in: vLLM's `reload_weights` on views of a mapped
+file, plus the repack of the tied lm_head (which a plain reload leaves stale). Two transports,
+alternating update by update on one server:
+
+- stream: 4 MiB chunks over loopback gRPC (conversion in a thread, overlapped with the sending),
+  written into the service's staging file in /dev/shm as they arrive; works across hosts.
+- shared: the learner converts straight into a file in the service's shared folder (/dev/shm)
+  and sends only where each tensor lies (`UpdateWeightsShared`); same host only.
+
+In-process = `LLM.collective_rpc("reload_weights", weights_iterator=...)` on the same tensors
+already in memory (the paper's in-process copy, without conversion or that repack). `convert_s`
+is the conversion alone (iterating `iter_hf_tensors` and making each tensor contiguous, the
+one copy every consumer makes); `{transport}_pause_s` is the part of the update during which the
+service paused generation (reload, tied-head repack, prefix-cache reset). Prints one JSON line
+per dtype: medians over the repeats (the first update of a server is the slowest: its files and
+buffers are new), and the fastest repeat of each.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 
 def in_process_reload_seconds(model_dir: Path, dtype: str, tensors, repeats: int) -> list[float]:
@@ -66,31 +77,48 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         specs = hf_tensor_specs(model, params, dtype)
         num_bytes = sum(math.prod(shape) * dt.itemsize for _, shape, dt in specs)
+        convert_times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            for _name, array in iter_hf_tensors(model, params, dtype):
+                np.ascontiguousarray(array)  # the one copy every consumer makes
+            convert_times.append(time.perf_counter() - start)
         log = Path(tempfile.mkdtemp()) / "generator.log"
         server = start_server(model_dir, log, ["--dtype", dtype, "--max-model-len", "256"])
-        pool = GeneratorPool([server.address])
+        pools = {t: GeneratorPool([server.address], transport=t) for t in ("stream", "shared")}
+        times: dict[str, list[float]] = {t: [] for t in pools}
+        pauses: dict[str, list[float]] = {t: [] for t in pools}
         try:
-            pool.wait_until_serving()
-            service_times = []
-            for version in range(1, args.repeats + 1):
-                stats = pool.publish_weights(
-                    lambda d=dtype: iter_hf_tensors(model, params, d), len(specs), version
-                )
-                service_times.append(stats.seconds)
+            pools["stream"].wait_until_serving()
+            version = 0
+            for _ in range(args.repeats):
+                for transport, pool in pools.items():
+                    version += 1
+                    stats = pool.publish_weights(
+                        lambda d=dtype: iter_hf_tensors(model, params, d), len(specs), version,
+                        specs=specs,
+                    )  # fmt: skip
+                    times[transport].append(stats.seconds)
+                    pauses[transport].append(stats.pause_seconds)
         finally:
-            pool.close()
+            for pool in pools.values():
+                pool.close()
             server.terminate()
         tensors = list(iter_hf_tensors(model, params, "float32"))
         reload_times = in_process_reload_seconds(model_dir, dtype, tensors, args.repeats)
-        service_s, reload_s = statistics.median(service_times), statistics.median(reload_times)
-        print(json.dumps({
-            "model": args.model, "dtype": dtype, "tensors": len(specs), "bytes": num_bytes,
-            "end_to_end_s": round(service_s, 3), "in_process_reload_s": round(reload_s, 3),
-            "end_to_end_gb_per_s": round(num_bytes / service_s / 1e9, 3),
-            "ratio_end_to_end_over_in_process": round(service_s / reload_s, 2),
-            "end_to_end_min_s": round(min(service_times), 3),
-            "in_process_reload_min_s": round(min(reload_times), 3),
-        }), flush=True)  # fmt: skip
+        reload_s = statistics.median(reload_times)
+        row = {"model": args.model, "dtype": dtype, "tensors": len(specs), "bytes": num_bytes,
+               "in_process_reload_s": round(reload_s, 3),
+               "in_process_reload_min_s": round(min(reload_times), 3),
+               "convert_s": round(statistics.median(convert_times), 3)}  # fmt: skip
+        for transport, seconds in times.items():
+            median = statistics.median(seconds)
+            row[f"{transport}_s"] = round(median, 3)
+            row[f"{transport}_min_s"] = round(min(seconds), 3)
+            row[f"{transport}_gb_per_s"] = round(num_bytes / median / 1e9, 3)
+            row[f"{transport}_ratio_over_in_process"] = round(median / reload_s, 2)
+            row[f"{transport}_pause_s"] = round(statistics.median(pauses[transport]), 3)
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import ipaddress
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -26,7 +28,9 @@ from generator_service.weights import (
     StagingFile,
     WeightAssembler,
     WeightUpdateError,
+    check_shared_layout,
     minimum_update_bytes,
+    shared_file_path,
 )
 from jaxrlhf.rpc import SERVICE_NAME, generator_pb2, generator_pb2_grpc
 from jaxrlhf.rpc.client import CHANNEL_OPTIONS
@@ -222,6 +226,62 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             pause_seconds=pause_seconds,
         )
 
+    async def UpdateWeightsShared(
+        self, request: generator_pb2.SharedWeights, context
+    ) -> generator_pb2.UpdateWeightsResponse:
+        """Swaps in an update the learner wrote into a file of the shared folder: no bytes are
+        received or staged, the engine maps the learner's file directly."""
+        specs = self._engine.weight_specs
+        if specs is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, self._engine.weight_specs_error
+            )
+        if not is_local_peer(context.peer()):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"UpdateWeightsShared is only accepted from this host, not from {context.peer()}; "
+                "stream the weights with UpdateWeights",
+            )
+        async with self._update_lock:
+            started = time.monotonic()
+            try:
+                path = shared_file_path(request.path, self._engine.staging_dir)
+                tensors = check_shared_layout(
+                    specs,
+                    self._engine.policy_version,
+                    request.policy_version,
+                    [(t.name, t.dtype, tuple(t.shape), t.position) for t in request.tensors],
+                    os.path.getsize(path),
+                    request.allow_rollback,
+                )
+                pause_seconds = await self._engine.swap_weights(
+                    path, tensors, request.policy_version, request.allow_rollback
+                )
+            except WeightUpdateError as error:
+                logger.warning("shared weight update refused: %s", error.message)
+                await context.abort(error.code, error.message)
+            finally:
+                await self._publish_health()
+        seconds = time.monotonic() - started
+        num_bytes = sum(tensor.nbytes for tensor in tensors)
+        logger.info(
+            "policy_version %d live: %d tensors, %d bytes from shared file %s, %.2fs "
+            "(paused %.2fs)",
+            request.policy_version,
+            len(tensors),
+            num_bytes,
+            path,
+            seconds,
+            pause_seconds,
+        )
+        return generator_pb2.UpdateWeightsResponse(
+            policy_version=request.policy_version,
+            num_tensors=len(tensors),
+            num_bytes=num_bytes,
+            seconds=seconds,
+            pause_seconds=pause_seconds,
+        )
+
     def close(self) -> None:
         """Deletes the staging file; call once the server has stopped."""
         if self._staging is not None:
@@ -244,6 +304,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             num_weight_tensors=len(engine.weight_specs or ()),
             vllm_version=engine.vllm_version,
             swap_pending=engine.swap_pending,
+            shared_weights_dir=engine.staging_dir if engine.weight_specs is not None else "",
         )
 
     async def _publish_health(self) -> None:
@@ -268,6 +329,11 @@ def add_generator_service(servicer: GeneratorServicer, server: grpc.aio.Server) 
         "UpdateWeights": grpc.stream_unary_rpc_method_handler(
             servicer.UpdateWeights,
             request_deserializer=decode_weight_chunk,
+            response_serializer=generator_pb2.UpdateWeightsResponse.SerializeToString,
+        ),
+        "UpdateWeightsShared": grpc.unary_unary_rpc_method_handler(
+            servicer.UpdateWeightsShared,
+            request_deserializer=generator_pb2.SharedWeights.FromString,
             response_serializer=generator_pb2.UpdateWeightsResponse.SerializeToString,
         ),
         "GetStatus": grpc.unary_unary_rpc_method_handler(
@@ -302,6 +368,21 @@ def _keep_freed_memory() -> None:
     mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest: chunk buffers come from the heap
     mallopt(m_trim_threshold, 256 << 20)
     mallopt(m_top_pad, 64 << 20)
+
+
+def is_local_peer(peer: str) -> bool:
+    """Whether a gRPC peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...")
+    is a client on this host: a loopback address or a Unix socket."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix" or kind == "unix-abstract":
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _bind_address(host: str, port: int) -> str:

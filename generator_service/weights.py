@@ -211,17 +211,9 @@ class WeightAssembler:
         return partial.position + offset
 
     def _check_header(self, policy_version: int, num_tensors: int, allow_rollback: bool) -> None:
-        if policy_version <= self.current_version and not allow_rollback:
-            raise WeightUpdateError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"policy_version {policy_version} is not newer than the served version "
-                f"{self.current_version}",
-            )
-        if num_tensors != len(self.specs):
-            raise _invalid(
-                f"num_tensors is {num_tensors} but the served model has {len(self.specs)} "
-                "tensors; a weight update must carry all of them"
-            )
+        check_update_header(
+            self.specs, self.current_version, policy_version, num_tensors, allow_rollback
+        )
         self.policy_version = policy_version
         self.num_tensors = num_tensors
         self.allow_rollback = allow_rollback
@@ -229,18 +221,7 @@ class WeightAssembler:
     def _start_tensor(
         self, where: str, name: str, dtype: str, shape: tuple[int, ...]
     ) -> _PartialTensor:
-        spec = self.specs.get(name)
-        if spec is None:
-            hint = ""
-            if name == "lm_head.weight":
-                hint = " (the served model ties it to model.embed_tokens.weight; send only that)"
-            raise _invalid(f"{where}: unknown tensor {name!r}, not in the served model{hint}")
-        if dtype not in WIRE_DTYPES:
-            raise _invalid(f"{where}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-        if spec.dtype not in _SAFETENSORS_TO_WIRE:
-            raise _invalid(f"{where}: the served tensor has dtype {spec.dtype}, not a float")
-        if shape != spec.shape:
-            raise _invalid(f"tensor {name} has shape {list(shape)}, expected {list(spec.shape)}")
+        spec = check_tensor(self.specs, where, name, dtype, shape)
         if len(self._tensors) >= len(self.specs):
             raise _invalid(f"{where}: more than num_tensors={self.num_tensors} tensors")
         nbytes = math.prod(shape) * WIRE_DTYPES[dtype][1]
@@ -274,6 +255,114 @@ class WeightAssembler:
             StagedTensor(p.spec.name, p.wire_dtype, p.spec.shape, p.position, p.nbytes)
             for p in self._tensors.values()
         ]
+
+
+def check_update_header(
+    specs: dict[str, TensorSpec],
+    current_version: int,
+    policy_version: int,
+    num_tensors: int,
+    allow_rollback: bool,
+) -> None:
+    """A newer version (unless rolling back) and every one of the served model's tensors."""
+    if policy_version <= current_version and not allow_rollback:
+        raise WeightUpdateError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"policy_version {policy_version} is not newer than the served version "
+            f"{current_version}",
+        )
+    if num_tensors != len(specs):
+        raise _invalid(
+            f"num_tensors is {num_tensors} but the served model has {len(specs)} "
+            "tensors; a weight update must carry all of them"
+        )
+
+
+def check_tensor(
+    specs: dict[str, TensorSpec], where: str, name: str, dtype: str, shape: tuple[int, ...]
+) -> TensorSpec:
+    """The served spec of tensor `name`, if `dtype` and `shape` fit it; else INVALID_ARGUMENT."""
+    spec = specs.get(name)
+    if spec is None:
+        hint = ""
+        if name == "lm_head.weight":
+            hint = " (the served model ties it to model.embed_tokens.weight; send only that)"
+        raise _invalid(f"{where}: unknown tensor {name!r}, not in the served model{hint}")
+    if dtype not in WIRE_DTYPES:
+        raise _invalid(f"{where}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+    if spec.dtype not in _SAFETENSORS_TO_WIRE:
+        raise _invalid(f"{where}: the served tensor has dtype {spec.dtype}, not a float")
+    if shape != spec.shape:
+        raise _invalid(f"tensor {name} has shape {list(shape)}, expected {list(spec.shape)}")
+    return spec
+
+
+def shared_file_path(path: str, directory: str) -> str:
+    """`path` resolved, if it names a regular file directly inside `directory` (the folder the
+    server maps shared updates from); FAILED_PRECONDITION otherwise. Symbolic links are
+    resolved first, so a link cannot point the engine at a file elsewhere."""
+    resolved = os.path.realpath(path)
+    if os.path.dirname(resolved) != os.path.realpath(directory):
+        raise WeightUpdateError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"shared weight file {path} is not in the server's shared folder {directory}",
+        )
+    if not os.path.isfile(resolved):
+        raise WeightUpdateError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"shared weight file {path} does not exist or is not a regular file",
+        )
+    if not os.access(resolved, os.R_OK | os.W_OK):
+        # The engine maps it shared and writable (see worker_extension.map_staged_tensors).
+        raise WeightUpdateError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"the server cannot open shared weight file {path} for reading and writing",
+        )
+    return resolved
+
+
+def check_shared_layout(
+    specs: dict[str, TensorSpec],
+    current_version: int,
+    policy_version: int,
+    entries: Iterable[tuple[str, str, tuple[int, ...], int]],
+    file_size: int,
+    allow_rollback: bool = False,
+) -> list[StagedTensor]:
+    """Checks the (name, dtype, shape, byte position) of every tensor of a shared update against
+    the served model and the file's size: each served tensor exactly once, each region
+    `STAGING_ALIGNMENT`-aligned, inside the file and apart from the others. Returns the tensors
+    in the order given."""
+    entries = list(entries)
+    check_update_header(specs, current_version, policy_version, len(entries), allow_rollback)
+    staged: list[StagedTensor] = []
+    seen: set[str] = set()
+    for index, (name, dtype, shape, position) in enumerate(entries):
+        where = f"tensor {index + 1} ({name or '<unnamed>'})"
+        spec = check_tensor(specs, where, name, dtype, tuple(shape))
+        if name in seen:
+            raise _invalid(f"{where}: tensor {name} is listed twice: duplicated data")
+        seen.add(name)
+        nbytes = math.prod(spec.shape) * WIRE_DTYPES[dtype][1]
+        if position % STAGING_ALIGNMENT:
+            raise _invalid(
+                f"{where}: byte position {position} is not a multiple of {STAGING_ALIGNMENT}"
+            )
+        if position + nbytes > file_size:
+            raise WeightUpdateError(
+                grpc.StatusCode.DATA_LOSS,
+                f"{where}: bytes [{position}, {position + nbytes}) lie past the end of the "
+                f"shared file ({file_size} bytes): truncated data",
+            )
+        staged.append(StagedTensor(name, dtype, spec.shape, position, nbytes))
+    ordered = sorted(staged, key=lambda tensor: tensor.position)
+    for before, after in zip(ordered, ordered[1:], strict=False):
+        if before.position + before.nbytes > after.position:
+            raise _invalid(
+                f"tensors {before.name} and {after.name} overlap in the shared file: "
+                "duplicated data"
+            )
+    return staged
 
 
 def minimum_update_bytes(specs: dict[str, TensorSpec]) -> int:

@@ -105,6 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
         max_model_len=256,
         seed=0,
         cpus="",  # e.g. "1": pin a locally started generator to these cores
+        # How weights reach the generators: "auto" = through a shared-memory file when every
+        # generator runs on this host, else streamed over gRPC; "stream"; "shared".
+        weight_transport="auto",
     )
     c.learner_cpus = ""  # e.g. "0": pin the learner process to these cores
     c.export = True
@@ -145,6 +148,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
     train = config.train
     _require(config.total_steps >= 1, f"config.total_steps={config.total_steps}: >= 1")
+    transports = ("auto", "stream", "shared")
+    _require(
+        config.generator.weight_transport in transports,
+        f"config.generator.weight_transport={config.generator.weight_transport!r}: "
+        f"must be one of {transports}",
+    )
     for key in ("batch_size", "max_length"):
         _require(train[key] >= 1, f"config.train.{key}={train[key]}: must be >= 1")
     _require(train.learning_rate > 0, f"config.train.learning_rate={train.learning_rate}: > 0")

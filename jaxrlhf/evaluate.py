@@ -166,8 +166,9 @@ def evaluate(config, step_dir: Path, out_dir: Path, log) -> dict:
                 from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors
 
                 version = max(s.policy_version for s in pool.wait_until_serving()) + 1
-                pool.publish_weights(lambda: iter_hf_tensors(model, params),
-                                     len(hf_tensor_specs(model, params)), version)  # fmt: skip
+                specs = hf_tensor_specs(model, params)
+                pool.publish_weights(lambda: iter_hf_tensors(model, params), len(specs), version,
+                                     specs=specs)  # fmt: skip
             samples = pool.generate(
                 [p.token_ids for p in items], dict(n=1, temperature=0.0, max_tokens=max_tokens)
             )

@@ -167,23 +167,34 @@ def _to_host(array: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(array))
 
 
+def _on_one_cpu(array: jax.Array) -> bool:
+    devices = array.sharding.device_set
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
 def iter_hf_tensors(
     model: Transformer, params: dict, dtype: str | None = None
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (HF name, array) for every tensor of the HF layout, one tensor at a time.
 
-    Only the tensor being yielded is copied to the host (a per-layer slice of a stacked,
-    possibly sharded parameter), so exporting never holds a second copy of the model.
+    The arrays may be strided views (a kernel is its Flax array transposed): consumers copy
+    each once, into a message, a file or a mapped region. Never a second copy of the model: a
+    parameter on one CPU device is read in place (cast first, when `dtype` differs), any other
+    one (sharded, or on an accelerator) is copied to the host one per-layer slice at a time.
     """
     flat = mapping.flatten(params)
     np_dtype = numpy_dtype(dtype) if dtype else None
     for rule in mapping.bound_rules(model.config, list(flat)):
         leaf = flat[rule.flax]
+        if np_dtype is not None and leaf.dtype != np_dtype:
+            leaf = leaf.astype(np_dtype)  # on the device: half the bytes to move for bf16
+        whole = np.asarray(leaf) if _on_one_cpu(leaf) else None  # a view of the device buffer
         for i, name in enumerate(mapping.hf_names(rule, model.config.num_layers)):
-            host = _to_host(leaf[i] if rule.per_layer else leaf)
-            if np_dtype is not None:
-                host = host.astype(np_dtype)
-            yield name, np.ascontiguousarray(rule.layout.to_hf(host))
+            if whole is not None:
+                host = whole[i] if rule.per_layer else whole
+            else:
+                host = _to_host(leaf[i] if rule.per_layer else leaf)
+            yield name, rule.layout.to_hf(host)
 
 
 def hf_tensor_specs(

@@ -6,6 +6,10 @@ each tensor is pulled from the devices once and fanned out, so the host never ho
 copy of the model. The conversion runs in a thread of its own, a few chunks ahead of the
 sending, so that converting the next tensor overlaps with sending the last one.
 
+When every replica runs on this host (`transport` "auto" or "shared"), the tensors are instead
+converted once into a shared-memory file (`jaxrlhf.rpc.shared`) and every replica is sent only
+where they lie (`UpdateWeightsShared`): no weight byte crosses a socket.
+
 A replica whose stream breaks (it died, it refused the update) is dropped from the fan-out at
 once and the others go on. Then the replicas that could not be reached are retried alone, with
 exponential back-off; one that rejected the update (a bad tensor, a stale version) is not. The
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import ipaddress
+import os
 import queue
 import threading
 import time
@@ -23,12 +29,17 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 
 from jaxrlhf.rl.rollout import Sample
 from jaxrlhf.rpc import generator_pb2
 from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient, encode_weight_chunks
+from jaxrlhf.rpc.shared import SharedWeightsFile
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# "auto": a shared file when every replica is on this host (see `jaxrlhf.rpc.shared`), else
+# streamed chunks; "stream" and "shared" force one (forcing "shared" fails where it cannot work).
+TRANSPORTS = ("auto", "stream", "shared")
 # Chunks queued ahead of each replica's stream: bounds the host memory of a broadcast to this
 # many chunks per replica, plus the tensor being converted.
 CHUNKS_AHEAD = 4
@@ -45,6 +56,8 @@ class PublishStats:
     num_bytes: int
     seconds: float
     attempts: int
+    # The longest time a replica paused generation for the swap (its reload, repack and reset).
+    pause_seconds: float = 0.0
 
 
 def _describe(target: str, error: grpc.RpcError) -> str:
@@ -122,6 +135,39 @@ def _produce(chunks: Iterator[bytes], feeds: Sequence[_ReplicaFeed]) -> BaseExce
     return error
 
 
+def _is_local_target(target: str) -> bool:
+    """Whether a gRPC target names this host: a Unix socket, localhost or a loopback address."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = target.split("///")[-1].removeprefix("ipv4:").removeprefix("ipv6:")
+    if host.startswith("["):  # [::1]:port
+        host = host[1 : host.find("]")]
+    elif host.count(":") == 1:  # host:port (more colons: a bare IPv6 address)
+        host = host.split(":")[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _shared_unavailable(clients: Sequence[GeneratorClient]) -> str:
+    """Why the replicas cannot take shared-file updates from this process ("" if they can)."""
+    remote = [c.target for c in clients if not _is_local_target(c.target)]
+    if remote:
+        return f"generators {', '.join(remote)} are not addressed on this host"
+    folders = {c.target: c.status().shared_weights_dir for c in clients}
+    if "" in folders.values():
+        return f"generators {[t for t, f in folders.items() if not f]} take no shared updates"
+    if len(set(folders.values())) > 1:
+        return f"the generators map shared files from different folders: {folders}"
+    folder = next(iter(folders.values()))
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        return f"the generators' shared folder {folder} is not writable here"
+    return ""
+
+
 class GeneratorPool:
     """Clients for one or more generator replicas."""
 
@@ -133,13 +179,19 @@ class GeneratorPool:
         retries: int = 5,
         backoff_seconds: float = 1.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        transport: str = "auto",
     ):
         if not targets:
             raise ValueError("at least one generator address is needed")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"weight transport must be one of {TRANSPORTS}, got {transport!r}")
         self.clients = [GeneratorClient(t, auth_token, root_certificates) for t in targets]
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self.chunk_bytes = chunk_bytes
+        self.transport = transport
+        self._shared: SharedWeightsFile | None = None
+        self._shared_dir: str | None = None  # decided at the first publish with specs
         # A thread per replica for Generate calls, another for UpdateWeights (concurrent).
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(targets))
 
@@ -219,21 +271,38 @@ class GeneratorPool:
         num_tensors: int,
         policy_version: int,
         allow_rollback: bool = False,
+        specs: Sequence[tuple[str, tuple[int, ...], Any]] | None = None,
     ) -> PublishStats:
         """Sends one stream of tensors to every replica as `policy_version`; returns once every
         replica has swapped, or raises GeneratorError naming each replica that did not.
 
-        `tensor_stream()` is called once per attempt (a retry converts the tensors again).
-        `allow_rollback`: replicas accept a version not newer than theirs (resuming a run)."""
+        `tensor_stream()` is called once per attempt of a streamed update (a retry converts the
+        tensors again). `specs` ([(name, shape, dtype)] of the stream, in order) allows the
+        same-host shared-file path (`transport`): the tensors are converted once into the file,
+        and only their positions are sent. `allow_rollback`: replicas accept a version not
+        newer than theirs (resuming a run)."""
         started = time.perf_counter()
+        shared = specs is not None and self._use_shared()
+        if shared:
+            if self._shared is None or self._shared.specs != [
+                (n, tuple(sh), np.dtype(dt)) for n, sh, dt in specs
+            ]:
+                if self._shared is not None:
+                    self._shared.close()
+                self._shared = SharedWeightsFile(self._shared_dir, specs)
+            self._shared.write(tensor_stream())
+            request = self._shared.request(policy_version, allow_rollback)
         responses: dict[str, generator_pb2.UpdateWeightsResponse] = {}
         failures: dict[str, grpc.RpcError] = {}
         pending = list(self.clients)
         delay = self.backoff_seconds
         for attempt in range(1, self.retries + 2):
-            outcomes = self._broadcast(
-                pending, tensor_stream, num_tensors, policy_version, allow_rollback
-            )
+            if shared:
+                outcomes = self._call_each(pending, lambda c: c.update_weights_shared(request))
+            else:
+                outcomes = self._broadcast(
+                    pending, tensor_stream, num_tensors, policy_version, allow_rollback
+                )
             pending = []
             for client, outcome in outcomes.items():
                 if isinstance(outcome, grpc.RpcError):
@@ -262,7 +331,40 @@ class GeneratorPool:
             num_bytes=int(first.num_bytes),
             seconds=time.perf_counter() - started,
             attempts=attempt,
+            pause_seconds=max(r.pause_seconds for r in responses.values()),
         )
+
+    def _use_shared(self) -> bool:
+        """Whether updates go through a shared file: `transport` "shared", or "auto" when every
+        replica runs on this host and shares one folder that this process can write to."""
+        if self.transport == "stream":
+            return False
+        if self._shared_dir is None:
+            try:
+                reason = _shared_unavailable(self.clients)
+                folder = "" if reason else self.clients[0].status().shared_weights_dir
+            except grpc.RpcError as error:  # undecided: stream this time (it retries), ask again
+                if self.transport == "shared":
+                    message = f"cannot set up the shared weight file: {error}"
+                    raise GeneratorError(message) from error
+                return False
+            if reason and self.transport == "shared":
+                raise GeneratorError(f"weight transport 'shared' is not possible: {reason}")
+            self._shared_dir = folder
+        return bool(self._shared_dir)
+
+    def _call_each(
+        self, clients: Iterable[GeneratorClient], call: Callable[[GeneratorClient], Any]
+    ) -> dict[GeneratorClient, Any]:
+        """`call(client)` for every client at once; each one's result or gRPC error."""
+        futures = {client: self._pool.submit(call, client) for client in clients}
+        outcomes: dict[GeneratorClient, Any] = {}
+        for client, future in futures.items():
+            try:
+                outcomes[client] = future.result()
+            except grpc.RpcError as error:
+                outcomes[client] = error
+        return outcomes
 
     def _broadcast(
         self,
@@ -304,6 +406,9 @@ class GeneratorPool:
         return outcomes
 
     def close(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         for client in self.clients:
             client.close()

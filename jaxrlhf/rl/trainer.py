@@ -205,7 +205,7 @@ def publish(learner: Learner, pool: GeneratorPool, version: int, dtype: str | No
     specs = hf_tensor_specs(learner.policy, policy_params, dtype)
     return pool.publish_weights(
         lambda: iter_hf_tensors(learner.policy, policy_params, dtype), len(specs), version,
-        allow_rollback=rollback,
+        allow_rollback=rollback, specs=specs,
     )  # fmt: skip
 
 

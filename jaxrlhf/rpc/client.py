@@ -241,6 +241,13 @@ class GeneratorClient:
         """UpdateWeights with chunks from `encode_weight_chunks` (consumed in gRPC's thread)."""
         return self._update_weights_encoded(iter(chunks), timeout=timeout, metadata=self.metadata)
 
+    def update_weights_shared(
+        self, request: generator_pb2.SharedWeights, timeout: float | None = None
+    ) -> generator_pb2.UpdateWeightsResponse:
+        """UpdateWeightsShared: swaps in the tensors the request points at in a shared file
+        (see `jaxrlhf.rpc.shared`); the server must run on this host."""
+        return self.stub.UpdateWeightsShared(request, timeout=timeout, metadata=self.metadata)
+
     def status(self, timeout: float | None = None) -> generator_pb2.GeneratorStatus:
         return self.stub.GetStatus(
             generator_pb2.GetStatusRequest(), timeout=timeout, metadata=self.metadata

@@ -32,7 +32,7 @@ def generator_pool(config, model_path: Path, log):
         cpus = [int(c) for c in gen.cpus.split(",")] if gen.cpus else None
         server = start_server(model_path, log_path, args, cpus=cpus)
         targets = [server.address]
-    pool = GeneratorPool(targets, auth_token=token)
+    pool = GeneratorPool(targets, auth_token=token, transport=gen.weight_transport)
     try:
         statuses = pool.wait_until_serving()
         log(f"generator(s) serving: {', '.join(targets)} (version {statuses[0].policy_version})")

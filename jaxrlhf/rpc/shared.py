@@ -1,0 +1,133 @@
+"""Same-host weight sync: the learner writes the update into a file that the server maps.
+
+A learner and a generator on one host need not push the weights through a socket at all.
+`SharedWeightsFile` lays the Hugging Face tensors out in one file in the server's shared folder
+(`GeneratorStatus.shared_weights_dir`, normally /dev/shm, i.e. memory), page-aligned and in a
+fixed order, and `write` puts each converted tensor straight into its region (the conversion's
+one copy is the only one); `UpdateWeightsShared` then sends only where each tensor lies, and the
+engine loads views of the file. The file is created once and rewritten in place by every update
+(its pages stay allocated), and deleted by `close`; files of dead learners are removed when a
+new one is created. Memory: the file is one copy of the model in /dev/shm, and it takes the
+place of the service's staging file (which a streamed update fills), so the host holds the same
+as with streaming, not more.
+
+The file must not change while a replica loads it: `GeneratorPool.publish_weights` writes the
+next update only after every replica answered the last one.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxrlhf.rpc import generator_pb2
+from jaxrlhf.rpc.client import WEIGHT_DTYPES
+
+# The server's alignment of every tensor region (generator_service.weights.STAGING_ALIGNMENT).
+ALIGNMENT = 4096
+PREFIX = "jaxrlhf-shared-"
+
+
+def _remove_stale_files(directory: str) -> None:
+    """Deletes the shared files of learners no longer running (named PREFIX<pid>-*.bin)."""
+    for path in Path(directory).glob(f"{PREFIX}*.bin"):
+        pid = path.name[len(PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+class SharedWeightsFile:
+    """One update's worth of tensors, `specs` = [(HF name, shape, numpy dtype)] in the order the
+    tensors will be written, laid out in a memory-mapped file in `directory`."""
+
+    def __init__(self, directory: str, specs: Sequence[tuple[str, tuple[int, ...], Any]]):
+        self.specs = [(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in specs]
+        self.positions: list[int] = []
+        size = 0
+        for name, shape, dtype in self.specs:
+            if str(dtype) not in WEIGHT_DTYPES:
+                raise ValueError(f"tensor {name} has dtype {dtype}; one of {WEIGHT_DTYPES}")
+            size += -size % ALIGNMENT
+            self.positions.append(size)
+            size += math.prod(shape) * dtype.itemsize
+        self.size = size
+        _remove_stale_files(directory)
+        fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".bin",
+                                         dir=directory)  # fmt: skip
+        try:
+            os.ftruncate(fd, max(size, 1))
+            self._map: mmap.mmap | None = mmap.mmap(fd, max(size, 1))
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+
+    def write(self, tensors: Iterable[tuple[str, Any]]) -> int:
+        """Copies each (name, array) into its region, casting to the laid-out dtype (the arrays
+        may be strided views, e.g. transposed kernels: they are copied once, in place). The
+        tensors must come in the order of `specs`. Returns the bytes written."""
+        if self._map is None:
+            raise ValueError("the shared weight file is closed")
+        expected = iter(zip(self.specs, self.positions, strict=True))
+        written = 0
+        for name, array in tensors:
+            try:
+                (want, shape, dtype), position = next(expected)
+            except StopIteration:
+                message = f"tensor {name} is one more than the {len(self.specs)} laid out"
+                raise ValueError(message) from None
+            array = np.asarray(array)
+            if name != want or tuple(array.shape) != shape:
+                raise ValueError(
+                    f"expected tensor {want} {list(shape)} next, got {name} {list(array.shape)}"
+                )
+            region = np.ndarray(shape, dtype, self._map, position)
+            np.copyto(region, array, casting="unsafe")
+            written += region.nbytes
+        missing = [spec[0] for spec, _ in expected]
+        if missing:
+            raise ValueError(f"{len(missing)} tensors were not written, e.g. {missing[0]}")
+        return written
+
+    def request(self, policy_version: int, allow_rollback: bool = False):
+        """The UpdateWeightsShared request that points a server at this file."""
+        return generator_pb2.SharedWeights(
+            policy_version=policy_version,
+            path=self.path,
+            allow_rollback=allow_rollback,
+            tensors=[
+                generator_pb2.SharedTensor(
+                    name=name, dtype=str(dtype), shape=shape, position=position
+                )
+                for (name, shape, dtype), position in zip(self.specs, self.positions, strict=True)
+            ],
+        )
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a view still holds it; the mapping goes with the last view
+            self._map = None
+        Path(self.path).unlink(missing_ok=True)
+
+    def __enter__(self) -> SharedWeightsFile:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
