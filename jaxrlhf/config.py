@@ -50,6 +50,11 @@ def base_config() -> ml_collections.ConfigDict:
         samples_per_prompt=2,
         temperature=0.7,
         max_prompt_tokens=64,
+        # The learner pads each batch's prompts to its longest one rounded up to a multiple of
+        # this (at most max_prompt_tokens), not always to max_prompt_tokens: fewer padded
+        # columns to compute. Each new width compiles the learner's functions once; 0 = always
+        # max_prompt_tokens (one shape).
+        prompt_pad_multiple=16,
         max_response_tokens=16,
         weight_sync_dtype="",  # "" = the learner's dtype
         # Seeded generation calls: batch i's samples depend only on (seed, i, weights), so a
@@ -205,6 +210,10 @@ def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
     _require(
         config.rollout.temperature > 0,
         f"config.rollout.temperature={config.rollout.temperature}: must be > 0 for RL",
+    )
+    _require(
+        config.rollout.prompt_pad_multiple >= 0,
+        f"config.rollout.prompt_pad_multiple={config.rollout.prompt_pad_multiple}: must be >= 0",
     )
     for key in ("prompts_per_batch", "max_prompt_tokens", "max_response_tokens"):
         value = config.rollout[key]

@@ -35,6 +35,15 @@ class RolloutArrays:
         }
 
 
+def prompt_width(rollout: Rollout, max_prompt_tokens: int, multiple: int) -> int:
+    """The prompt columns of a batch: its longest prompt rounded up to `multiple`, at most
+    `max_prompt_tokens` (`multiple` 0: always `max_prompt_tokens`)."""
+    if not multiple:
+        return max_prompt_tokens
+    longest = max(len(rollout.prompts[s.prompt_index].token_ids) for s in rollout.samples)
+    return min(max_prompt_tokens, -(-longest // multiple) * multiple)
+
+
 def rollout_arrays(
     rollout: Rollout, pad_id: int, prompt_len: int, response_len: int
 ) -> RolloutArrays:

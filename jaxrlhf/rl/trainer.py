@@ -34,7 +34,7 @@ from jaxrlhf.models import (
     logprobs_from_logits,
     save_pretrained,
 )
-from jaxrlhf.rl.batch import rollout_arrays
+from jaxrlhf.rl.batch import prompt_width, rollout_arrays
 from jaxrlhf.rl.generators import GeneratorPool
 from jaxrlhf.rl.metrics import MetricsWriter
 from jaxrlhf.rl.objectives import StepInputs, build_objective, value_estimates
@@ -140,7 +140,12 @@ class Learner:
                 )
         self.rows_per_batch = cfg.rollout.prompts_per_batch * cfg.rollout.samples_per_prompt
         self.prompt_len = cfg.rollout.max_prompt_tokens
+        self.prompt_pad_multiple = cfg.rollout.prompt_pad_multiple
         self.response_len = cfg.rollout.max_response_tokens
+
+    def prompt_width(self, rollout: Rollout) -> int:
+        """The prompt columns of this batch's arrays (see config rollout.prompt_pad_multiple)."""
+        return prompt_width(rollout, self.prompt_len, self.prompt_pad_multiple)
 
     def score(self, task: Task, prompts, responses, arrays=None) -> np.ndarray:
         """Rewards of (prompt, response ids) pairs: the task's verifier or the reward model
@@ -153,7 +158,9 @@ class Learner:
             rollout = Rollout(0, list(prompts), [
                 Sample(i, 0, tuple(r), (), "stop", 0) for i, r in enumerate(responses)
             ], 0, 0.0)  # fmt: skip
-            arrays = rollout_arrays(rollout, task.pad_id, self.prompt_len, self.response_len)
+            arrays = rollout_arrays(
+                rollout, task.pad_id, self.prompt_width(rollout), self.response_len
+            )
         ids, mask, n = arrays.input_ids, arrays.attention_mask, len(arrays.input_ids)
         out = []
         for start in range(0, n, self.rows_per_batch):
@@ -331,7 +338,7 @@ def train_one_step(
     rollout = producer.next()
     wait_s = time.perf_counter() - t0
     arrays = rollout_arrays(
-        rollout, task.pad_id, cfg.rollout.max_prompt_tokens, cfg.rollout.max_response_tokens
+        rollout, task.pad_id, learner.prompt_width(rollout), learner.response_len
     )
     raw = learner.score(
         task,
