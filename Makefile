@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast bench lint
+.PHONY: install run test test-fast bench async-speedup offpolicy lint
 
 install: $(STAMP)
 
@@ -34,6 +34,13 @@ bench: install
 	$(BIN)/python bench/parity_fp64.py
 	$(BIN)/python bench/generate_overhead.py
 	$(BIN)/python bench/weight_sync.py
+
+# The two slow experiments (~30 min and ~1 h on 2 CPU cores; see BENCHMARKS.md).
+async-speedup: install
+	$(BIN)/python bench/async_speedup.py $(ARGS)
+
+offpolicy: install
+	$(BIN)/python -m jaxrlhf.experiments.offpolicy $(ARGS)
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
