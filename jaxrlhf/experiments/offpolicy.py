@@ -2,8 +2,8 @@
 
     # the full sweep: 3 losses x N in {1, 2, 4, 8, 16, 64}, 64 updates each (a day or more on CPU)
     python -m jaxrlhf.experiments.offpolicy
-    # the short CPU setting (see below)
-    python -m jaxrlhf.experiments.offpolicy --mini-batches 1,4,16 --steps 16
+    # the short CPU setting (see below; ~80 min on 2 cores)
+    python -m jaxrlhf.experiments.offpolicy --mini-batches 1,2,4,8 --steps 8 --prompts-per-batch 4
     # a pipeline check on the tiny random model (no learning signal: rewards stay ~0)
     python -m jaxrlhf.experiments.offpolicy --model tiny --losses online_dpo,rloo \
         --mini-batches 1,2 --steps 4 --out /tmp/offpolicy-tiny
@@ -36,21 +36,17 @@ held-out accuracy is the figure to compare across N: it scores the final weights
 greedy responses, while the training batches behind `reward_mean` and `kl` were sampled up to
 N - 1 versions earlier (with N = --steps, every batch comes from the initial policy).
 
-Short CPU setting (2 cores, SmolLM2-135M, the default 8 prompts x 4 samples per update):
+Short CPU settings (2 cores, SmolLM2-135M), measured on 2026-11-30 (BENCHMARKS.md):
 
-    python -m jaxrlhf.experiments.offpolicy --mini-batches 1,4,16 --steps 16   # 9 runs
-    python -m jaxrlhf.experiments.offpolicy --mini-batches 1,4 --steps 8       # 6 runs
+    python -m jaxrlhf.experiments.offpolicy --mini-batches 1,2,4,8 --steps 8 --prompts-per-batch 4
 
-Estimated, not measured (only the tiny model was run while writing this): the default run's
-steady Online DPO updates took ~45 s here (`runs/default`, generation beside it), so a 16-update
-Online DPO or RLOO run takes ~13 min plus ~1.5 min of start-up, compilation and evaluation, and
-a PPO run (a value model to run and train) roughly 1.5x that: about 2.5 to 3 hours for the first
-line, about 1 hour for the second, plus ~1 min for the one engine start. Measured: the tiny
-pipeline check (`--model tiny --losses online_dpo,rloo --mini-batches 1,2 --steps 4`) took 140 s
-in all, ~20 s per run plus the engine start. Either CPU setting shows the pipeline and the
-staleness at work; 64 held-out prompts (±~9 accuracy points, 95%, at ~15% accuracy) and 8–16
-updates are too few to separate the losses the way the paper does: that needs the full sweep on
-accelerators.
+12 runs in ~80 min: 4.5–6.7 min per Online DPO or RLOO run, 7.6–11.4 min per PPO run (a value
+model to run and train), plus ~1 min for the one engine start. `--mini-batches 1,4,16 --steps
+16` with the default 8 prompts per update is ~4x that. Measured as well: the tiny pipeline check
+(`--model tiny --losses online_dpo,rloo --mini-batches 1,2 --steps 4`) took 140 s in all. At
+these sizes 64 held-out prompts (±~9 accuracy points, 95%) and 8 updates show the direction of
+the paper's result at best (Online DPO flat in N, RLOO −9 points at N = 8, PPO not learning
+yet); separating the losses the way the paper does needs the full sweep on accelerators.
 """
 
 from __future__ import annotations
