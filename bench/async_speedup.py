@@ -9,8 +9,9 @@ for `--model tiny`) is run twice in one invocation, `--steps` updates each: sync
 (`max_staleness=0`) and one step off-policy asynchronously (`max_staleness=1`), weights published
 after every update. The generator service is pinned to `--cpus-generator` and the learner to
 `--cpus-learner` (disjoint cores stand for separate accelerators). Each run is a plain
-`python -m jaxrlhf.main` in `{out}/sync` and `{out}/async` (log: `run.log`); checkpoints are
-written only at the end and no `hf_export/`, so neither run pays for them inside the loop.
+`python -m jaxrlhf.main` in `{out}/sync` and `{out}/async` (log: `run.log`; what an earlier
+invocation left there is deleted first); checkpoints are written only at the end and no
+`hf_export/`, so neither run pays for them inside the loop.
 
 How each figure is computed (per-step keys of metrics.jsonl):
 
@@ -61,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -321,6 +323,7 @@ def main() -> None:
         overrides = {**run_overrides(args, mode, out), **passthrough}
         log = out / mode / "run.log"
         if not args.analyze_only:
+            shutil.rmtree(out / mode, ignore_errors=True)  # this benchmark's earlier run of it
             print(f"[async_speedup] {mode} run ({args.steps} updates), log: {log}", flush=True)
             returncode, seconds = run_main(main_command(config_file, overrides), log)
             if returncode != 0:

@@ -27,6 +27,15 @@ def main(argv) -> None:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
+    earlier = checkpoint_steps(Path(config.output_dir) / "checkpoints")
+    if earlier and not config.resume:
+        print(
+            f"config error: config.output_dir={config.output_dir} already holds the checkpoints "
+            f"of an earlier run (steps {earlier}): add --config.resume=true to continue it, or "
+            "pick a new --config.output_dir (or delete that folder) to start afresh",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     if config.distributed.enabled:
         from jaxrlhf.sharding import initialize_distributed
 
@@ -48,6 +57,13 @@ def main(argv) -> None:
         from jaxrlhf.stages import rlhf as stage
     summary = stage.run(config, model_path, log)
     log("summary: " + json.dumps(summary))
+
+
+def checkpoint_steps(directory: Path) -> list[int]:
+    """The steps of the complete Orbax checkpoints in `directory` (folders named by their step)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(child.name) for child in directory.iterdir() if child.name.isdigit())
 
 
 if __name__ == "__main__":

@@ -53,6 +53,14 @@ def test_tiny_sft_runs_end_to_end_and_learns(tmp_path):
     assert np.isfinite([x["loss"] for x in lines]).all()
     assert (out / "hf_export" / "model.safetensors").exists()
     assert (out / "hf_export" / "tokenizer.json").exists()
+    # The same command again is refused at once, and the finished run is left as it was.
+    before = (out / "summary.json").read_text()
+    again = run_main("--config.stage=sft", f"--config.output_dir={out}", "--config.total_steps=6",
+                     timeout=120)  # fmt: skip
+    assert again.returncode == 2
+    assert "already holds the checkpoints of an earlier run (steps [" in again.stderr
+    assert "--config.resume=true" in again.stderr
+    assert (out / "summary.json").read_text() == before
 
 
 def test_num_mini_batches_is_the_papers_test_bed():
