@@ -32,6 +32,8 @@ from pathlib import Path
 
 import grpc
 
+from jaxrlhf.rpc.shared import ALIGNMENT, remove_stale_files
+
 # Wire dtype name -> (safetensors dtype code, item size in bytes).
 WIRE_DTYPES: dict[str, tuple[str, int]] = {
     "float32": ("F32", 4),
@@ -40,7 +42,7 @@ WIRE_DTYPES: dict[str, tuple[str, int]] = {
 }
 _SAFETENSORS_TO_WIRE = {code: name for name, (code, _) in WIRE_DTYPES.items()}
 # Every tensor's region starts on a page boundary: aligned views when the engine maps the file.
-STAGING_ALIGNMENT = 4096
+STAGING_ALIGNMENT = ALIGNMENT  # the learner's shared files use the same
 # Buffers some checkpoints carry that are recomputed by the engine, never trained.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -391,7 +393,7 @@ class StagingFile:
     def __init__(self, directory: str, max_pending: int = 4) -> None:
         self.directory = directory
         try:
-            _remove_stale_staging_files(directory, self.PREFIX)
+            remove_stale_files(directory, self.PREFIX)
             fd, self.path = tempfile.mkstemp(
                 prefix=f"{self.PREFIX}{os.getpid()}-", suffix=".bin", dir=directory
             )
@@ -459,20 +461,6 @@ class StagingFile:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-
-def _remove_stale_staging_files(directory: str, prefix: str) -> None:
-    """Deletes the staging files of servers no longer running (named PREFIX<pid>-*.bin)."""
-    for path in Path(directory).glob(f"{prefix}*.bin"):
-        pid = path.name[len(prefix) :].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # alive, another user's
 
 
 def _invalid(message: str) -> WeightUpdateError:

@@ -135,6 +135,19 @@ def _produce(chunks: Iterator[bytes], feeds: Sequence[_ReplicaFeed]) -> BaseExce
     return error
 
 
+def _outcomes(
+    futures: dict[GeneratorClient, concurrent.futures.Future],
+) -> dict[GeneratorClient, Any]:
+    """Waits for each client's call; its result, or the gRPC error it raised."""
+    outcomes: dict[GeneratorClient, Any] = {}
+    for client, future in futures.items():
+        try:
+            outcomes[client] = future.result()
+        except grpc.RpcError as error:
+            outcomes[client] = error
+    return outcomes
+
+
 def _is_local_target(target: str) -> bool:
     """Whether a gRPC target names this host: a Unix socket, localhost or a loopback address."""
     if target.startswith(("unix:", "unix-abstract:")):
@@ -357,14 +370,7 @@ class GeneratorPool:
         self, clients: Iterable[GeneratorClient], call: Callable[[GeneratorClient], Any]
     ) -> dict[GeneratorClient, Any]:
         """`call(client)` for every client at once; each one's result or gRPC error."""
-        futures = {client: self._pool.submit(call, client) for client in clients}
-        outcomes: dict[GeneratorClient, Any] = {}
-        for client, future in futures.items():
-            try:
-                outcomes[client] = future.result()
-            except grpc.RpcError as error:
-                outcomes[client] = error
-        return outcomes
+        return _outcomes({client: self._pool.submit(call, client) for client in clients})
 
     def _broadcast(
         self,
@@ -394,12 +400,7 @@ class GeneratorPool:
             daemon=True,
         )
         producer.start()
-        outcomes: dict[GeneratorClient, Any] = {}
-        for client, future in futures.items():
-            try:
-                outcomes[client] = future.result()
-            except grpc.RpcError as error:
-                outcomes[client] = error
+        outcomes = _outcomes(futures)
         producer.join()
         if produced[0] is not None:
             raise produced[0]

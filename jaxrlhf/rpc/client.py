@@ -94,6 +94,27 @@ def _iter_pieces(
                 break
 
 
+def _header(
+    policy_version: int,
+    allow_rollback: bool,
+    num_tensors: int,
+    name: str,
+    dtype_name: str,
+    shape: tuple[int, ...],
+    offset: int,
+) -> generator_pb2.WeightChunk:
+    """A chunk's every field but its data."""
+    return generator_pb2.WeightChunk(
+        policy_version=policy_version,
+        num_tensors=num_tensors,
+        allow_rollback=allow_rollback,
+        name=name,
+        dtype=dtype_name,
+        shape=shape,
+        offset=offset,
+    )
+
+
 def iter_weight_chunks(
     tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
     policy_version: int,
@@ -108,19 +129,10 @@ def iter_weight_chunks(
     held in full; without it, it is listed first to count it. A count that does not match what
     is sent is refused by the server. A zero-size tensor is sent as one empty chunk.
     """
-    for count, name, dtype_name, shape, offset, piece in _iter_pieces(
-        tensors, chunk_bytes, num_tensors
-    ):
-        yield generator_pb2.WeightChunk(
-            policy_version=policy_version,
-            num_tensors=count,
-            allow_rollback=allow_rollback,
-            name=name,
-            dtype=dtype_name,
-            shape=shape,
-            offset=offset,
-            data=piece.tobytes(),
-        )
+    for *fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
+        chunk = _header(policy_version, allow_rollback, *fields)
+        chunk.data = piece.tobytes()
+        yield chunk
 
 
 def encode_weight_chunks(
@@ -135,18 +147,8 @@ def encode_weight_chunks(
     Each message is the protobuf encoding of the chunk without its data, followed by the data
     field (protobuf accepts fields in any order), so the tensor's bytes are copied only once.
     """
-    for count, name, dtype_name, shape, offset, piece in _iter_pieces(
-        tensors, chunk_bytes, num_tensors
-    ):
-        header = generator_pb2.WeightChunk(
-            policy_version=policy_version,
-            num_tensors=count,
-            allow_rollback=allow_rollback,
-            name=name,
-            dtype=dtype_name,
-            shape=shape,
-            offset=offset,
-        ).SerializeToString()
+    for *fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
+        header = _header(policy_version, allow_rollback, *fields).SerializeToString()
         yield b"".join((header, _DATA_TAG, _varint(len(piece)), piece))
 
 

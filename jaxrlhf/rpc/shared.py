@@ -30,15 +30,16 @@ import numpy as np
 from jaxrlhf.rpc import generator_pb2
 from jaxrlhf.rpc.client import WEIGHT_DTYPES
 
-# The server's alignment of every tensor region (generator_service.weights.STAGING_ALIGNMENT).
+# Every tensor region starts on a page boundary (also the service's staging layout).
 ALIGNMENT = 4096
 PREFIX = "jaxrlhf-shared-"
 
 
-def _remove_stale_files(directory: str) -> None:
-    """Deletes the shared files of learners no longer running (named PREFIX<pid>-*.bin)."""
-    for path in Path(directory).glob(f"{PREFIX}*.bin"):
-        pid = path.name[len(PREFIX) :].split("-", 1)[0]
+def remove_stale_files(directory: str, prefix: str) -> None:
+    """Deletes the files named PREFIX<pid>-*.bin in `directory` whose process no longer runs
+    (shared files of dead learners here, staging files of dead servers in the service)."""
+    for path in Path(directory).glob(f"{prefix}*.bin"):
+        pid = path.name[len(prefix) :].split("-", 1)[0]
         if not pid.isdigit():
             continue
         try:
@@ -64,7 +65,7 @@ class SharedWeightsFile:
             self.positions.append(size)
             size += math.prod(shape) * dtype.itemsize
         self.size = size
-        _remove_stale_files(directory)
+        remove_stale_files(directory, PREFIX)
         fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".bin",
                                          dir=directory)  # fmt: skip
         try:
