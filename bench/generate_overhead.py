@@ -2,6 +2,7 @@
 
     python bench/generate_overhead.py                       # tiny random model, a smoke run
     python bench/generate_overhead.py --model PATH          # e.g. a SmolLM2-135M folder
+    python bench/generate_overhead.py --address HOST:PORT   # a service that is already running
 
 Both sides get identical engine settings (dtype, max_model_len, seed, eager mode, processed
 logprobs) and identical sampling (temperature, n, max_tokens, one logprob per token, no
@@ -9,6 +10,9 @@ detokenisation, ignore_eos so that both generate exactly the same number of toke
 is `python -m generator_service` (a subprocess) timed through Generate calls, the other is
 `LLM.generate` in this process. Both engines stay up and the `--repeats` timed runs alternate
 between them after a warm-up each; the best run of each side counts.
+With `--address` the service side is a running service instead of a subprocess (it saves
+starting a second engine, e.g. in the tests): the in-process engine then takes the served model,
+dtype and max_model_len from its status; start that service with the same --seed and KV cache.
 Prints tokens/s of each and their ratio (target >= 0.95), then one JSON line.
 """
 
@@ -17,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,12 +31,14 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
-READY_LINE = "GENERATOR_SERVICE_READY"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="HF folder (default: a tiny random Llama)")
+    parser.add_argument(
+        "--address", default=None, help="HOST:PORT of a running service to time (not started here)"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -48,7 +52,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-gib", default=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.address and args.model:
+        parser.error("--address times the model that service serves; drop --model")
+    return args
+
+
+def adopt_served_settings(args: argparse.Namespace) -> None:
+    """With --address: the in-process engine takes the model, dtype and length the service has."""
+    from jaxrlhf.rpc import GeneratorClient
+
+    with GeneratorClient(args.address) as client:
+        status = client.wait_until_serving(timeout=120)
+    args.model, args.dtype, args.max_model_len = status.model, status.dtype, status.max_model_len
 
 
 def make_prompts(model_dir: str, count: int, length: int, seed: int) -> list[list[int]]:
@@ -62,54 +78,50 @@ def make_prompts(model_dir: str, count: int, length: int, seed: int) -> list[lis
 
 
 @contextmanager
-def service_runner(args, model_dir: str, log_path: Path):
-    """Starts the service; yields a function that runs all prompts once and returns seconds."""
+def service_address(args, model_dir: str, log_path: Path):
+    """--address as given, else that of a service started here (and stopped on exit)."""
+    if args.address:
+        yield args.address
+        return
+    from jaxrlhf.rl.service import start_server
+
+    server_args = ["--dtype", args.dtype, "--seed", str(args.seed)]
+    if args.max_model_len:
+        server_args += ["--max-model-len", str(args.max_model_len)]
+    server = start_server(model_dir, log_path, server_args)
+    try:
+        yield server.address
+    finally:
+        server.terminate(timeout=120)
+
+
+@contextmanager
+def service_runner(args, address: str):
+    """Yields a function that runs all prompts once through the service and returns seconds."""
     from jaxrlhf.rpc import GeneratorClient
 
-    command = [
-        sys.executable, "-m", "generator_service",
-        "--model", model_dir, "--port", "0", "--dtype", args.dtype, "--seed", str(args.seed),
-    ]  # fmt: skip
-    if args.max_model_len:
-        command += ["--max-model-len", str(args.max_model_len)]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
+    with GeneratorClient(address) as client:
+        sampling = dict(
+            max_tokens=args.max_tokens, n=args.n, temperature=args.temperature, ignore_eos=True
         )
-    try:
-        address = None
-        while address is None:
-            if process.poll() is not None:
-                raise RuntimeError(f"service exited ({process.returncode}); see {log_path}")
-            for line in log_path.read_text(errors="replace").splitlines():
-                if line.startswith(READY_LINE):
-                    address = line.split()[1]
-            time.sleep(0.5)
-        with GeneratorClient(address) as client:
-            sampling = dict(
-                max_tokens=args.max_tokens, n=args.n, temperature=args.temperature, ignore_eos=True
-            )
 
-            def one_call(part: list[list[int]], counts: list[int]) -> None:
-                counts.append(sum(len(c.token_ids) for c in client.generate(part, **sampling)))
+        def one_call(part: list[list[int]], counts: list[int]) -> None:
+            counts.append(sum(len(c.token_ids) for c in client.generate(part, **sampling)))
 
-            def timed_run(batch: list[list[int]]) -> float:
-                parts = [batch[i :: args.calls] for i in range(args.calls)]
-                counts: list[int] = []
-                threads = [threading.Thread(target=one_call, args=(p, counts)) for p in parts]
-                started = time.perf_counter()
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
-                seconds = time.perf_counter() - started
-                assert sum(counts) == len(batch) * args.n * args.max_tokens, counts
-                return seconds
+        def timed_run(batch: list[list[int]]) -> float:
+            parts = [batch[i :: args.calls] for i in range(args.calls)]
+            counts: list[int] = []
+            threads = [threading.Thread(target=one_call, args=(p, counts)) for p in parts]
+            started = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            seconds = time.perf_counter() - started
+            assert sum(counts) == len(batch) * args.n * args.max_tokens, counts
+            return seconds
 
-            yield timed_run
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=120)
+        yield timed_run
 
 
 @contextmanager
@@ -155,6 +167,8 @@ def in_process_runner(args, model_dir: str):
 def main() -> None:
     args = parse_args()
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+    if args.address:
+        adopt_served_settings(args)
     model_dir = args.model
     if model_dir is None:
         from jaxrlhf.models.tiny import make_tiny_model
@@ -170,8 +184,11 @@ def main() -> None:
     in_process: list[float] = []
     # Both engines stay up (an idle engine uses no CPU) and the timed runs alternate, so that
     # load from other processes on the machine hits both sides alike.
-    with service_runner(args, model_dir, log_path) as run_service:
-        with in_process_runner(args, model_dir) as run_in_process:
+    with service_address(args, model_dir, log_path) as address:
+        with (
+            service_runner(args, address) as run_service,
+            in_process_runner(args, model_dir) as run_in_process,
+        ):
             run_service(prompts[:4])  # warm-up
             run_in_process(prompts[:4])
             for _ in range(args.repeats):

@@ -2,6 +2,7 @@
 
     python bench/learner_step.py                      # SmolLM2-135M, fp32, 8x128 tokens (CPU)
     python bench/learner_step.py --model llama1b --dtype bfloat16 --batch 16 --seq 1024  # GPU
+    python bench/learner_step.py --model tiny --batch 2 --seq 16 --steps 1  # smoke run, seconds
 
 Model FLOPs per step = 6·N·tokens + 12·L·H·D·T·tokens (N = parameters in matmuls, the LM head
 included; the attention term counts the full T×T score matrix the kernel computes). The matmul
@@ -14,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ from jaxrlhf.train_state import (
     state_shardings,
 )
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 LLAMA_1B = ModelConfig(  # Llama 3.2 1B shapes
     family="llama",
     vocab_size=128256,
@@ -72,15 +75,40 @@ def model_flops(config: ModelConfig, batch: int, seq: int) -> float:
     return 6 * n_matmul * tokens + 12 * layers * hd * seq * tokens
 
 
-def layers_block() -> int:
-    from jaxrlhf.models import layers
+def build_model(args, mesh):
+    """(model, params) for --model, params already sharded on `mesh`."""
+    if args.model == "llama1b":
+        model = make_model(LLAMA_1B, args.dtype, args.remat, args.cpu_contraction_block)
+        init = jax.jit(
+            lambda: init_params(model, jax.random.PRNGKey(0)),
+            out_shardings=params_shardings(model, mesh),
+        )
+        return model, init()
+    path = args.model
+    if path == "smollm2":
+        from jaxrlhf.models.smollm2 import smollm2_path
 
-    return layers.CPU_CONTRACTION_BLOCK
+        path = smollm2_path()
+    elif path == "tiny":
+        from jaxrlhf.models.tiny import make_tiny_model
+
+        path = make_tiny_model(REPO_ROOT / ".cache" / "bench_tiny_llama", arch="llama")
+    return load_pretrained(
+        path,
+        dtype=args.dtype,
+        mesh=mesh,
+        remat=args.remat,
+        contraction_block=args.cpu_contraction_block,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="smollm2", help="smollm2 | llama1b | a HF folder")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2 | llama1b | tiny (random, 2 layers) | a HF folder",
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
@@ -90,25 +118,13 @@ def main() -> None:
     parser.add_argument(
         "--cpu-contraction-block",
         type=int,
-        default=None,
-        help="override jaxrlhf.models.layers.CPU_CONTRACTION_BLOCK (0 = one dot per matmul)",
+        default=0,
+        help="the model's contraction_block: float32 matmuls summed in blocks of this many terms "
+        "(torch's accuracy on CPU, slower); 0 = one dot per matmul",
     )
     args = parser.parse_args()
-    if args.cpu_contraction_block is not None:
-        from jaxrlhf.models import layers
-
-        layers.CPU_CONTRACTION_BLOCK = args.cpu_contraction_block
     mesh = make_mesh((1, -1, 1))
-    if args.model == "llama1b":
-        model = make_model(LLAMA_1B, args.dtype, remat=args.remat)
-        params = jax.jit(lambda: init_params(model, jax.random.PRNGKey(0)))()
-    else:
-        path = args.model
-        if path == "smollm2":
-            from jaxrlhf.models.smollm2 import smollm2_path
-
-            path = smollm2_path()
-        model, params = load_pretrained(path, dtype=args.dtype, remat=args.remat)
+    model, params = build_model(args, mesh)
     config = model.config
 
     def loss_fn(p, batch):
@@ -155,7 +171,7 @@ def main() -> None:
         "matmul_tflop_per_s": round(peak / 1e12, 4),
         "matmul_size": size,
         "ratio": round(flops / step_s / peak, 3),
-        "cpu_contraction_block": layers_block(),
+        "cpu_contraction_block": config.contraction_block,
     }
     print(json.dumps(result))
 

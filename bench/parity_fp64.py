@@ -55,8 +55,10 @@ def llama_forward_fp64(folder: Path, ids: np.ndarray, mask: np.ndarray) -> np.nd
         k, v = np.repeat(k, heads // kv, 2), np.repeat(v, heads // kv, 2)
         s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dim)
         s = np.where(allowed[:, None], s, -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        p = np.nan_to_num(p / p.sum(-1, keepdims=True))
+        # A padding query sees no key: its row is all NaN here, zeroed (and never compared).
+        with np.errstate(invalid="ignore"):
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p = np.nan_to_num(p / p.sum(-1, keepdims=True))
         o = np.einsum("bhqk,bkhd->bqhd", p, v).reshape(batch, length, heads * dim)
         x = x + o @ w(pre + "self_attn.o_proj.weight").T
         h = rms(x, w(pre + "post_attention_layernorm.weight"))

@@ -32,26 +32,45 @@ import os
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
+
+@contextmanager
+def engine_in_this_process():
+    """vLLM's engine core and worker in this process while inside, so that `collective_rpc` hands
+    the worker the tensors themselves, not pickled copies. Scoped: the generator services started
+    by this script (child processes) must keep vLLM's default, as in a real run."""
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    previous = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = previous
 
 
 def in_process_reload_seconds(model_dir: Path, dtype: str, tensors, repeats: int) -> list[float]:
     import torch
     from vllm import LLM
 
-    llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=256,
-              gpu_memory_utilization=0.3)  # fmt: skip
     torch_tensors = [(name, torch.from_numpy(array.astype("float32"))) for name, array in tensors]
     if dtype == "bfloat16":
         torch_tensors = [(n, t.to(torch.bfloat16)) for n, t in torch_tensors]
     times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(torch_tensors)})
-        times.append(time.perf_counter() - start)
-    del llm
+    with engine_in_this_process():
+        llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=256,
+                  gpu_memory_utilization=0.3)  # fmt: skip
+        for _ in range(repeats):
+            start = time.perf_counter()
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(torch_tensors)})
+            times.append(time.perf_counter() - start)
+        del llm
     return times
 
 
@@ -61,7 +80,6 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, load_pretrained

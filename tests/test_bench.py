@@ -1,0 +1,125 @@
+"""Smoke tests of the scripts in bench/: each runs as a user runs it (a subprocess from the repo
+root), on the suite's tiny Llama with the smallest settings, and its JSON result is checked.
+
+The figures mean nothing at this size; these tests catch a bench that no longer runs or reports
+nonsense (bench/learner_step.py once failed on a removed module constant before printing).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def run_bench(command, env=None, timeout=300):
+    """Runs a bench command from the repo root; returns its JSON lines, the last line among them."""
+    result = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), result.stdout[-2000:] + result.stderr[-4000:]
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def assert_positive_finite(row, *keys):
+    for key in keys:
+        assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+
+
+def test_learner_step(tiny_llama):
+    # The suite's 8 fake CPU devices stay: mesh (1, -1, 1) is then fsdp=8, and a batch of 8
+    # really is split over them. The contraction block must reach the model it builds.
+    (row,) = run_bench(
+        [
+            sys.executable, "bench/learner_step.py", "--model", str(tiny_llama),
+            "--batch", "8", "--seq", "16", "--steps", "2", "--matmul-size", "256",
+            "--cpu-contraction-block", "64",
+        ]
+    )  # fmt: skip
+    assert row["device"] == "8x cpu"
+    assert (row["batch"], row["seq"], row["dtype"]) == (8, 16, "float32")
+    assert row["cpu_contraction_block"] == 64
+    assert_positive_finite(
+        row, "compile_s", "step_s_median", "model_tflop_per_s", "matmul_tflop_per_s", "ratio"
+    )
+
+
+def test_parity_fp64(tiny_llama):
+    *per_seed, matmul = run_bench(
+        [sys.executable, "bench/parity_fp64.py", "--model", str(tiny_llama), "--seeds", "0", "1"]
+    )
+    assert [row["seed"] for row in per_seed] == [0, 1]
+    for row in per_seed:
+        errors = {k: v for k, v in row.items() if k != "seed"}
+        assert len(errors) == 8
+        # fp32 against fp64 on a 2-layer model: rounding error only, far below a real mismatch.
+        for key, value in errors.items():
+            assert math.isfinite(value) and 0 <= value < 1e-3, (key, row)
+    assert set(matmul) == {"matmul_k1536_rel_err_xla", "matmul_k1536_rel_err_torch"}
+    for value in matmul.values():
+        assert 0 < value < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_generate_overhead(tiny_llama, generator_address):
+    # The suite's running service is the gRPC side: only the in-process engine starts here.
+    (row,) = run_bench(
+        [
+            sys.executable, "bench/generate_overhead.py", "--address", generator_address,
+            "--num-prompts", "4", "--prompt-len", "8", "--max-tokens", "8", "--repeats", "2",
+        ],
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
+    )  # fmt: skip
+    assert row["model"] == str(tiny_llama)
+    assert row["tokens"] == 4 * 8
+    assert len(row["service_seconds"]) == len(row["in_process_seconds"]) == 2
+    assert_positive_finite(
+        row, "service_tokens_per_s", "in_process_tokens_per_s", "ratio", "median_paired_ratio"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_weight_sync(tiny_llama):
+    # A service of its own: the bench pushes new policy versions, which would break the
+    # bookkeeping of the suite's shared service.
+    (row,) = run_bench(
+        [
+            sys.executable, "bench/weight_sync.py", "--model", str(tiny_llama),
+            "--dtypes", "float32", "--repeats", "1",
+        ],
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
+    )  # fmt: skip
+    assert (row["dtype"], row["tensors"]) == ("float32", 20)  # 2 layers x 9 + embedding + norm
+    assert row["bytes"] > 0
+    assert_positive_finite(row, "in_process_reload_s", "stream_s", "shared_s")
+    for transport in ("stream", "shared"):
+        assert_positive_finite(row, f"{transport}_gb_per_s", f"{transport}_ratio_over_in_process")
+        assert 0 < row[f"{transport}_pause_s"] <= row[f"{transport}_s"]
+
+
+@pytest.mark.slow
+def test_gpu_learner_smoke(tiny_llama, tmp_path):
+    # One CPU device, as the script runs on one GPU; SMOKE=1 keeps each run's dtype and remat.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(SMOKE="1", SMOKE_MODEL=str(tiny_llama), OUT=str(tmp_path), PYTHON=sys.executable)
+    rows = run_bench(["bash", "bench/gpu_learner.sh"], env=env)
+    files = {
+        "llama1b_bf16_b16_s1024": "bfloat16",
+        "llama1b_bf16_b16_s1024_remat": "bfloat16",
+        "llama1b_bf16_b8_s2048_remat": "bfloat16",
+        "llama1b_fp32_b8_s1024": "float32",
+    }
+    assert len(rows) == len(files)
+    for (name, dtype), row in zip(files.items(), rows, strict=True):
+        assert json.loads((tmp_path / f"{name}.json").read_text()) == row
+        assert (row["model"], row["dtype"], row["device"]) == (str(tiny_llama), dtype, "1x cpu")
+        assert (row["batch"], row["seq"], row["cpu_contraction_block"]) == (2, 16, 0)
+        assert_positive_finite(row, "step_s_median", "ratio")
