@@ -42,11 +42,12 @@ How each figure is computed (per-step keys of metrics.jsonl):
   learner slowed by generation running beside it, weight sync included) plus `extra_wait_s` (the
   async run's mean wait minus the max(0, g − t) the ideal overlap leaves); the async run's own
   g shows whether generation itself slowed. Each learner phase is listed for both runs.
-- Quality: reward = mean reward_mean over the last `--last` steps (default 5); held-out greedy
-  accuracy from summary.json (`eval_accuracy_start`, `eval_accuracy_end`). "Within noise":
-  |Δ accuracy_end| ≤ 1.96 · sqrt(2 p(1 − p) / n), the 95% band of the difference of two
-  accuracies on n = task.num_eval held-out prompts (p = their mean) — held-out sampling noise
-  only, not the seed-to-seed spread of training.
+- Quality (one seed; the paired comparison over seeds is `python -m
+  jaxrlhf.experiments.async_vs_sync`): reward = mean reward_mean over the last `--last` steps
+  (default 5); greedy accuracy on the test split from summary.json (`test_accuracy_start`,
+  `test_accuracy_end`, n = `test_prompts`). "Within noise": |Δ accuracy_end| ≤ 1.96 ·
+  sqrt(2 p(1 − p) / n), the 95% band of the difference of two accuracies on the same n test
+  prompts (p = their mean) — evaluation sampling noise only, not the seed-to-seed spread.
 - Target: efficiency ≥ 0.9 and the accuracy within noise.
 
 Prints one JSON line with every figure, then a table; writes the JSON to `{out}/results.json`.
@@ -167,22 +168,23 @@ def accuracy_noise(p_a: float, p_b: float, n: int) -> float:
 
 
 def quality_figures(
-    runs: dict[str, tuple[Sequence[dict[str, Any]], dict[str, Any]]], num_eval: int, last: int
+    runs: dict[str, tuple[Sequence[dict[str, Any]], dict[str, Any]]], last: int
 ) -> dict[str, Any]:
-    """Final reward and held-out accuracy of each run, and whether async is within noise."""
+    """Final reward and test accuracy of each run, and whether async is within noise."""
     out: dict[str, Any] = {}
     for mode, (records, summary) in runs.items():
         tail = list(records)[-last:]
         out[mode] = {
             "reward_last": _mean(r["reward_mean"] for r in tail),
-            "kl_last": _mean(r["kl"] for r in tail),
-            "eval_accuracy_start": summary.get("eval_accuracy_start"),
-            "eval_accuracy_end": summary.get("eval_accuracy_end"),
+            "kl_last": _mean(r["kl"] for r in tail) if all("kl" in r for r in tail) else None,
+            "test_accuracy_start": summary.get("test_accuracy_start"),
+            "test_accuracy_end": summary.get("test_accuracy_end"),
+            "test_prompts": summary.get("test_prompts"),
         }
-    a, b = out["sync"]["eval_accuracy_end"], out["async"]["eval_accuracy_end"]
+    a, b = out["sync"]["test_accuracy_end"], out["async"]["test_accuracy_end"]
     if a is not None and b is not None:
         out["accuracy_difference"] = b - a
-        out["accuracy_noise"] = accuracy_noise(a, b, num_eval)
+        out["accuracy_noise"] = accuracy_noise(a, b, out["sync"]["test_prompts"])
         out["within_noise"] = abs(b - a) <= out["accuracy_noise"] + 1e-12
     out["reward_difference"] = out["async"]["reward_last"] - out["sync"]["reward_last"]
     return out
@@ -235,8 +237,8 @@ def table(figures: dict[str, Any], quality: dict[str, Any]) -> str:
     )
     for label, key in (
         ("reward (last steps)", "reward_last"),
-        ("held-out accuracy start", "eval_accuracy_start"),
-        ("held-out accuracy end", "eval_accuracy_end"),
+        ("test accuracy start", "test_accuracy_start"),
+        ("test accuracy end", "test_accuracy_end"),
     ):
         a, b = quality["sync"][key], quality["async"][key]
         lines.append(f"{label:<28}{_cell(a):>10}{_cell(b):>10}")
@@ -331,7 +333,7 @@ def main() -> None:
             print(f"[async_speedup] {mode} run done in {seconds:.0f} s", flush=True)
         runs[mode] = read_run(out / mode)
     figures = speedup_figures(runs["sync"][0], runs["async"][0], rows_per_batch, args.warmup)
-    quality = quality_figures(runs, config.task.num_eval, args.last)
+    quality = quality_figures(runs, args.last)
     walls = {mode: summary["wall_seconds"] for mode, (_, summary) in runs.items()}
     result = {
         "model": args.model,

@@ -37,10 +37,17 @@ def base_config() -> ml_collections.ConfigDict:
         name="arithmetic",  # arithmetic | tldr | nobots | gsm8k (jaxrlhf.data.recipes)
         source="",  # dataset hub name or local path; "" = the task's default
         preference_source="",  # reward-model stage: preference pairs; "" = the task's default
-        train_split="",  # "" = "train"
-        eval_split="",  # "" = the dataset's held-out split (validation / test)
+        # Three splits (jaxrlhf.data.splits): train; validation, for evaluations during a run
+        # and for choosing hyper-parameters; test, for the reported figure only. "" = the
+        # dataset's own split of that role; a dataset without a validation split gets one
+        # carved out of its train split by a hash of each example's id (validation_fraction).
+        train_split="",
+        eval_split="",  # the validation split
+        test_split="",
+        validation_fraction=0.05,
         num_train=256,  # prompts / examples used; 0 = all
-        num_eval=64,
+        num_eval=128,  # validation prompts
+        num_test=0,  # test prompts (0 = the whole test split)
         # RLHF reward: "" = the task's verifiable reward (arithmetic, gsm8k); else a reward
         # model (a folder with a score head, e.g. the reward stage's output dir).
         reward_model="",
@@ -71,9 +78,16 @@ def base_config() -> ml_collections.ConfigDict:
         gamma=1.0,
         lam=0.95,
         whiten_advantages=True,
+        # A response without EOS (cut at max_response_tokens) scores penalty_reward_value.
+        missing_eos_penalty=True,
         penalty_reward_value=-1.0,
-        old_logprobs="sampler",  # "sampler" (behaviour policy's) or "learner" (recompute)
-        truncated_is_cap=0.0,  # > 0: truncated importance sampling, sampler vs learner
+        # π_old of the importance ratio (ppo, rloo, grpo): "sampler" (the generator's own
+        # log-probs: the ratio then corrects for the behaviour policy) or "learner" (a
+        # recompute by the learner before the update; also logs logprob_gap).
+        old_logprobs="sampler",
+        # > 0 (with old_logprobs="learner"): truncated importance sampling, each term weighted
+        # by min(π_learner / π_sampler, cap), per token (ppo, grpo) or per sequence (rloo).
+        truncated_is_cap=0.0,
         value_model_path="",  # PPO: "" = initialise the value model from the policy
     )
     # 0 = synchronous on-policy; 1 = one-step-off asynchronous; N = N versions behind at most.
@@ -93,9 +107,15 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.checkpoint = dict(every=10)
     c.eval = dict(
+        # Greedy evaluations of the RLHF stage on the validation split: before training, after
+        # it, and every `every` steps (0 = never). `test`: also on the test split, before and
+        # after training (summary.json: test_*), the figure to report, and every `test_every`
+        # steps (0 = never; metrics.jsonl: test_accuracy / test_reward).
         at_start=True,
         at_end=True,
         every=0,
+        test=True,
+        test_every=0,
         # `python -m jaxrlhf.evaluate`: win rate against the references under this gold reward
         # model ("" = no win rate), and the KL proxy: this model's perplexity on the policy's
         # responses ("" = config.model.path, the model the run started from).
@@ -207,6 +227,25 @@ def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
         loss.old_logprobs in ("sampler", "learner"),
         f"config.loss_params.old_logprobs={loss.old_logprobs!r}: 'sampler' or 'learner'",
     )
+    _require(
+        loss.truncated_is_cap >= 0,
+        f"config.loss_params.truncated_is_cap={loss.truncated_is_cap}: must be >= 0",
+    )
+    if loss.truncated_is_cap:
+        _require(
+            spec.importance_ratio,
+            f"config.loss_params.truncated_is_cap={loss.truncated_is_cap}: loss {name!r} has no "
+            f"importance ratio to correct (truncated IS applies to "
+            f"{', '.join(n for n, s in LOSSES.items() if s.importance_ratio)}); set it to 0",
+        )
+        _require(
+            loss.old_logprobs == "learner",
+            f"config.loss_params.truncated_is_cap={loss.truncated_is_cap} with "
+            f"old_logprobs='sampler' corrects twice for the same sampler: the ratio "
+            f"π_θ/π_sampler already does. Truncated IS weights a ratio against the learner's "
+            f"recompute by min(π_learner/π_sampler, cap): set old_logprobs='learner', or "
+            f"truncated_is_cap=0",
+        )
     _require(
         config.rollout.temperature > 0,
         f"config.rollout.temperature={config.rollout.temperature}: must be > 0 for RL",

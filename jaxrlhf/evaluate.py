@@ -1,10 +1,14 @@
-"""Evaluate an Orbax checkpoint of any stage on the task's held-out split.
+"""Evaluate an Orbax checkpoint of any stage on the task's test (or validation) split.
 
     python -m jaxrlhf.evaluate --config=configs/x.py --checkpoint=runs/x [--step=N] [--output=DIR]
+        [--split=test|validation]
+
+`--split=test` (the default) is the split to report; choose hyper-parameters on
+`--split=validation` instead (jaxrlhf.data.splits).
 
 `--checkpoint` is a run's output dir, its `checkpoints/` dir or one step's dir; the policy's
 parameters are restored from it (only them: no optimizer state) onto the architecture of
-`config.model.path`. Greedy responses to the held-out prompts come from a generator service —
+`config.model.path`. Greedy responses to the split's prompts come from a generator service —
 the configured `generator.addresses` (the weights are published to it) or one started here on
 an exported copy. Reported (report.json, samples.jsonl, report.png in the output dir):
 
@@ -30,7 +34,10 @@ from jaxrlhf.config import ConfigError, resolve, validate
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Run dir, checkpoints/ dir or step dir.")
 _STEP = flags.DEFINE_integer("step", -1, "Checkpoint step (-1 = the latest).")
-_OUTPUT = flags.DEFINE_string("output", "", "Report dir ('' = <run>/eval-step-<N>).")
+_OUTPUT = flags.DEFINE_string(
+    "output", "", "Report dir ('' = <run>/eval-step-<N>, plus -validation for that split)."
+)
+_SPLIT = flags.DEFINE_enum("split", "test", ["test", "validation"], "The prompts to answer.")
 
 ROWS = 8  # rows per scoring call (one compile per sequence length)
 
@@ -134,8 +141,9 @@ def response_logprobs(path: Path, mesh, prompts, responses) -> list[np.ndarray]:
     return [row[m] for row, m in zip(lp, mask, strict=True)]
 
 
-def evaluate(config, step_dir: Path, out_dir: Path, log) -> dict:
-    """Generates greedy held-out responses of the checkpoint's policy and writes the report."""
+def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") -> dict:
+    """Generates greedy responses of the checkpoint's policy to the prompts of `split` ("test"
+    or "validation") and writes the report."""
     import transformers
 
     from jaxrlhf.data import recipes
@@ -156,8 +164,8 @@ def evaluate(config, step_dir: Path, out_dir: Path, log) -> dict:
     del like
     log(f"restored the policy from {step_dir}")
     tokenizer = transformers.AutoTokenizer.from_pretrained(base)
-    prompts = recipes.prompt_examples(config.task, "eval", config.seed)
-    items = tokenize_prompts(tokenizer, prompts, config.rollout.max_prompt_tokens, "eval")
+    prompts = recipes.prompt_examples(config.task, split, config.seed)
+    items = tokenize_prompts(tokenizer, prompts, config.rollout.max_prompt_tokens, split)
     max_tokens = config.eval.max_tokens or config.rollout.max_response_tokens
     with tempfile.TemporaryDirectory(prefix="jaxrlhf-eval-") as tmp:
         folder = save_pretrained(model, params, Path(tmp) / "policy", tokenizer_from=base)
@@ -195,7 +203,8 @@ def evaluate(config, step_dir: Path, out_dir: Path, log) -> dict:
         kwargs["correct"] = [bool(verify(p.answer, t)) for p, t in zip(prompts, texts, strict=True)]
         for row, ok in zip(rows, kwargs["correct"], strict=True):
             row["correct"] = ok
-    extra = {"checkpoint": str(step_dir), "task": config.task.name, "max_tokens": max_tokens,
+    extra = {"checkpoint": str(step_dir), "task": config.task.name, "split": split,
+             "max_tokens": max_tokens,
              "gold_reward_model": config.eval.gold_reward_model, "sft_model": str(sft)}  # fmt: skip
     report = build_report(**kwargs, extra=extra)
     paths = write_report(report, rows, out_dir)
@@ -222,13 +231,14 @@ def main(argv) -> None:
     out = (
         Path(_OUTPUT.value)
         if _OUTPUT.value
-        else step_dir.parent.parent / f"eval-step-{step_dir.name}"
+        else step_dir.parent.parent
+        / f"eval-step-{step_dir.name}{'' if _SPLIT.value == 'test' else '-' + _SPLIT.value}"
     )
 
     def log(message: str) -> None:
         print(f"[jaxrlhf.evaluate] {message}", flush=True)
 
-    report = evaluate(config, step_dir, out, log)
+    report = evaluate(config, step_dir, out, log, _SPLIT.value)
     log("summary: " + json.dumps(report))
 
 

@@ -1,14 +1,24 @@
 """The pure parts of the experiment drivers, on hand-made run outputs (no engine, no training):
-bench/async_speedup.py's figures and jaxrlhf.experiments.offpolicy's aggregation and plot."""
+bench/async_speedup.py's figures, the seed statistics, and the offpolicy and async_vs_sync
+experiments' aggregation, choice and plots (their real runs: tests/test_experiment_runs.py)."""
 
 import importlib.util
 import json
 import math
 import sys
 
+import numpy as np
 import pytest
 
-from jaxrlhf.experiments import format_override, load_config, main_command, offpolicy
+from jaxrlhf.experiments import (
+    async_vs_sync,
+    format_override,
+    load_config,
+    main_command,
+    offpolicy,
+)
+from jaxrlhf.experiments.runner import SETTINGS_FILE, finished_with, run_figures
+from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr, paired_difference, within
 from tests.conftest import REPO
 
 
@@ -107,16 +117,17 @@ def test_quality_and_noise(bench):
     assert bench.accuracy_noise(0.2, 0.25, 64) == pytest.approx(
         1.96 * math.sqrt(2 * 0.225 * 0.775 / 64)
     )
+    summary = {"test_accuracy_start": 0.1, "test_prompts": 64}
     runs = {
-        "sync": (sync_records(), {"eval_accuracy_start": 0.1, "eval_accuracy_end": 0.2}),
-        "async": (async_records(), {"eval_accuracy_start": 0.1, "eval_accuracy_end": 0.25}),
+        "sync": (sync_records(), {**summary, "test_accuracy_end": 0.2}),
+        "async": (async_records(), {**summary, "test_accuracy_end": 0.25}),
     }
-    quality = bench.quality_figures(runs, num_eval=64, last=2)
+    quality = bench.quality_figures(runs, last=2)
     assert quality["sync"]["reward_last"] == pytest.approx(0.35)  # steps 3, 4
     assert quality["accuracy_difference"] == pytest.approx(0.05)
     assert quality["within_noise"]
-    runs["async"][1]["eval_accuracy_end"] = 0.5
-    assert not bench.quality_figures(runs, num_eval=64, last=2)["within_noise"]
+    runs["async"][1]["test_accuracy_end"] = 0.5
+    assert not bench.quality_figures(runs, last=2)["within_noise"]
 
 
 def test_table_says_where_the_time_went_below_target(bench):
@@ -127,7 +138,7 @@ def test_table_says_where_the_time_went_below_target(bench):
     figures = bench.speedup_figures(sync_records(), slow, ROWS, warmup=1)
     assert figures["efficiency"] < 0.9
     quality = {
-        m: {"reward_last": 0.1, "eval_accuracy_start": None, "eval_accuracy_end": None}
+        m: {"reward_last": 0.1, "test_accuracy_start": None, "test_accuracy_end": None}
         for m in ("sync", "async")
     }
     text = bench.table(figures, quality)
@@ -146,8 +157,9 @@ def test_bench_analyze_only_writes_results(bench, tmp_path, monkeypatch, capsys)
     for mode, records in (("sync", sync_records()), ("async", async_records())):
         summary = {
             "wall_seconds": sum(r["step_s"] for r in records),
-            "eval_accuracy_start": 0.1,
-            "eval_accuracy_end": 0.2,
+            "test_accuracy_start": 0.1,
+            "test_accuracy_end": 0.2,
+            "test_prompts": 64,
         }
         write_run(tmp_path / mode, records, summary)
     argv = [
@@ -221,64 +233,120 @@ def test_offpolicy_steps():
         offpolicy.check_steps(8, [1, 2, 3])
 
 
-def test_offpolicy_summarize_run():
+def test_run_figures():
     records = offpolicy_records(4, 8, 0.8)
-    summary = {"eval_accuracy_start": 0.1, "eval_accuracy_end": 0.3, "wall_seconds": 12.0}
-    figures = offpolicy.summarize_run(records, summary, last=2)
+    records[3]["test_accuracy"], records[3]["eval_accuracy"] = 0.25, 0.2
+    summary = {
+        "eval_accuracy_start": 0.1,
+        "eval_accuracy_end": 0.3,
+        "wall_seconds": 12.0,
+        "test_accuracy_end": 0.35,
+        "test_accuracy_end_stderr": 0.02,
+        "kl_last5": 9.0,
+    }
+    figures = run_figures(records, summary, last=2)
     assert figures["final_reward"] == pytest.approx((0.7 + 0.8) / 2)  # steps 7, 8
     assert figures["final_kl"] == pytest.approx((0.7 + 0.8) / 2)
     assert figures["staleness_mean"] == pytest.approx(1.5)  # 0,1,2,3 twice
     assert figures["staleness_max"] == 3
     assert (figures["eval_accuracy_end"], figures["steps_done"]) == (0.3, 8)
+    assert figures["test_accuracy_end_stderr"] == 0.02 and "kl_last5" not in figures
+    assert figures["evals"] == {"4": {"test_accuracy": 0.25, "eval_accuracy": 0.2}}
+
+
+def test_mean_stderr_and_paired_difference_by_hand():
+    mean, stderr = mean_stderr([0.2, 0.4, 0.9])
+    assert mean == pytest.approx(0.5)
+    # s² = (0.09 + 0.01 + 0.16) / 2 = 0.13; s.e. = sqrt(0.13 / 3)
+    assert stderr == pytest.approx(math.sqrt(0.13 / 3))
+    assert math.isnan(mean_stderr([0.3])[1])
+    diff, stderr, n = paired_difference({0: 0.5, 1: 0.4, 2: 0.3, 7: 1.0}, {0: 0.6, 1: 0.2, 2: 0.3})
+    assert (n, diff) == (3, pytest.approx((0.1 - 0.2 + 0.0) / 3))
+    assert stderr == pytest.approx(mean_stderr([0.1, -0.2, 0.0])[1])
+    assert within(0.01, 0.01) and not within(0.03, 0.01) and not within(0.0, math.nan)
+    assert format_mean_stderr(0.4321, 0.012, 100) == "43.2 ± 1.2"
 
 
 def test_offpolicy_report_from_run_folders(tmp_path, capsys):
+    # Two seeds per cell: test accuracy = reward / n + 0.01·seed.
     for loss, reward in (("online_dpo", 0.6), ("rloo", 0.4)):
         for n in (1, 2, 4):
-            summary = {
-                "eval_accuracy_start": 0.1,
-                "eval_accuracy_end": reward / n,
-                "wall_seconds": 60.0,
-                "total_seconds": 90.0,
-            }
-            write_run(
-                offpolicy.run_dir(tmp_path, loss, n), offpolicy_records(n, 4, reward), summary
-            )
-    offpolicy.main(
-        [
-            "--report-only",
-            "--out",
-            str(tmp_path),
-            "--losses",
-            "online_dpo,rloo,ppo",
-            "--mini-batches",
-            "1,2,4",
-            "--last",
-            "2",
-        ]
-    )
+            for seed in (0, 1):
+                summary = {
+                    "test_accuracy_start": 0.1,
+                    "test_accuracy_end": reward / n + 0.01 * seed,
+                    "eval_accuracy_end": 0.5,
+                    "wall_seconds": 60.0,
+                    "total_seconds": 90.0,
+                }
+                folder = offpolicy.run_dir(tmp_path, loss, n, seed)
+                write_run(folder, offpolicy_records(n, 4, reward), summary)
+    offpolicy.main(["--report-only", "--out", str(tmp_path), "--losses", "online_dpo,rloo,ppo",
+                    "--mini-batches", "1,2,4", "--last", "2", "--seeds", "0,1"])  # fmt: skip
     results = json.loads((tmp_path / "results.json").read_text())
-    runs = {(r["loss"], r["num_mini_batches"]): r for r in results["runs"]}
-    assert results["settings"]["steps"] == 4
-    assert runs["online_dpo", 2]["final_reward"] == pytest.approx((0.45 + 0.6) / 2)
-    assert runs["rloo", 4]["eval_accuracy_end"] == pytest.approx(0.1)
-    assert runs["ppo", 1]["status"] == "missing"
+    cells = {(c["loss"], c["num_mini_batches"]): c for c in results["cells"]}
+    assert results["settings"]["steps"] == 4 and len(results["runs"]) == 18
+    cell = cells["online_dpo", 2]
+    assert cell["seeds"] == 2 and cell["final_reward"] == pytest.approx((0.45 + 0.6) / 2)
+    assert cell["test_accuracy_end"] == pytest.approx(0.305)  # 0.30 and 0.31
+    assert cell["test_accuracy_end_stderr"] == pytest.approx(0.005)  # s = 0.00707, /sqrt 2
+    assert (cells["ppo", 1]["seeds"], cells["ppo", 1]["failed"]) == (0, 2)
     assert (tmp_path / "offpolicy.png").stat().st_size > 10_000
     table = capsys.readouterr().out
-    assert "| online_dpo | 2 | 0.525 | 0.100 → 0.300 | 0.350 | 0.50 / 1 | 1.5 |" in table
-    assert "| ppo | 1 | missing |" in table
+    assert "| online_dpo | 2 | 2 | 30.5 ± 0.5 | 50.0 ± 0.0 | 0.525 ± 0.000 |" in table
+    assert "| ppo | 1 | 0 (2 failed) | - |" in table
 
 
-def test_offpolicy_reuses_only_runs_with_the_same_settings(tmp_path):
+def test_runs_are_reused_only_with_the_same_settings(tmp_path):
     folder = tmp_path / "run"
     overrides = {"loss": "ppo", "num_mini_batches": 2, "export": False}
     write_run(folder, offpolicy_records(2, 2, 0.1), {})
-    assert not offpolicy.finished_with(folder, overrides)  # no settings file: a failed run
-    (folder / offpolicy.SETTINGS_FILE).write_text(json.dumps(overrides))
-    assert offpolicy.finished_with(folder, overrides)
-    assert not offpolicy.finished_with(folder, {**overrides, "num_mini_batches": 4})
+    assert not finished_with(folder, overrides)  # no settings file: a failed run
+    (folder / SETTINGS_FILE).write_text(json.dumps(overrides))
+    assert finished_with(folder, overrides)
+    assert not finished_with(folder, {**overrides, "num_mini_batches": 4})
 
 
 def test_offpolicy_plot_needs_a_finished_run(tmp_path):
     with pytest.raises(ValueError, match="no finished run"):
-        offpolicy.plot_results([{"status": "missing"}], tmp_path / "x.png", last=5)
+        offpolicy.plot_results([{"seeds": 0}], tmp_path / "x.png", steps=4)
+
+
+def test_async_vs_sync_pairs_seeds_and_chooses_on_validation(tmp_path, capsys):
+    # Variant lr=a: async = sync − 0.02 + noise; lr=b: async = sync − 0.10 (clearly worse),
+    # but b is better on validation. Evaluations at step 2 (in records) and 4 (summary).
+    test_sync = {0: 0.40, 1: 0.30, 2: 0.35}
+    noise = {0: 0.01, 1: -0.03, 2: -0.04}
+    for variant, gap, validation in (("a", 0.02, 0.3), ("b", 0.10, 0.6)):
+        for mode in ("sync", "async"):
+            for seed, sync_value in test_sync.items():
+                value = sync_value - (gap + noise[seed] if mode == "async" else 0.0)
+                records = offpolicy_records(1, 4, 0.5)
+                records[1] |= {"test_accuracy": value / 2, "eval_accuracy": validation / 2}
+                summary = {"test_accuracy_end": value, "eval_accuracy_end": validation}
+                folder = tmp_path / f"train.learning_rate={variant}" / mode / f"seed{seed}"
+                write_run(folder, records, summary)
+    async_vs_sync.main(["--report-only", "--out", str(tmp_path), "--steps", "4",
+                        "--eval-every", "2", "--vary", "train.learning_rate=a,b"])  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["chosen"] == "train.learning_rate=b"
+    rows = {(r["variant"][-1], r["split"], r["step"]): r for r in results["comparisons"]}
+    a_end = rows["a", "test", 4]
+    diffs = [-(0.02 + noise[s]) for s in test_sync]  # async − sync per seed
+    assert a_end["difference"] == pytest.approx(np.mean(diffs))
+    assert a_end["difference_stderr"] == pytest.approx(np.std(diffs, ddof=1) / math.sqrt(3))
+    assert a_end["sync"] == pytest.approx(0.35) and a_end["paired_seeds"] == 3
+    assert a_end["within_2_stderr"] and not rows["b", "test", 4]["within_2_stderr"]
+    assert rows["a", "test", 2]["difference"] == pytest.approx(np.mean(diffs) / 2)
+    assert (tmp_path / "async_vs_sync.png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "chosen on validation: train.learning_rate=b" in printed
+    assert "| train.learning_rate=b (chosen) | test | 4 | 35.0 ± 2.9 |" in printed
+
+
+def test_async_vs_sync_vary_parsing():
+    assert async_vs_sync.parse_vary("") == ("", [""])
+    assert async_vs_sync.parse_vary("train.learning_rate=3e-6, 1e-5") == (
+        "train.learning_rate", ["3e-6", "1e-5"])  # fmt: skip
+    with pytest.raises(ValueError, match="KEY=V1,V2"):
+        async_vs_sync.parse_vary("train.learning_rate")

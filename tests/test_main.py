@@ -33,6 +33,7 @@ def run_main(*overrides, cwd=REPO, timeout=600):
         ("--config.model.dtype=float8", "config.model.dtype"),
         ("--config.loss=dpo", "config.loss='dpo'"),
         ("--config.sync_every=3", "use max_staleness >= sync_every - 1"),
+        ("--config.loss_params.truncated_is_cap=2.0", "has no importance ratio"),
     ],
 )
 def test_bad_config_is_rejected_before_work(override, message, tmp_path):

@@ -24,7 +24,10 @@ def toy_config(stage, out, model):
     config.stage, config.output_dir, config.model.path = stage, str(out), str(model)
     config.task.name = "nobots"
     config.task.source = config.task.preference_source = TOY
-    config.task.num_train, config.task.num_eval = 0, 16  # all 64 train rows, 16 held out
+    # Validation: a quarter of the 64 train rows, carved by hash (No Robots has no validation
+    # split); the fixture's test split is for evaluate.
+    config.task.num_train = config.task.num_eval = 0
+    config.task.validation_fraction = 0.25
     config.train.max_length = 40
     config.train.batch_size = 16
     config.checkpoint.every = 1000
@@ -66,7 +69,7 @@ def test_sft_stage_learns_and_exports(chain):
 
 def test_reward_model_beats_chance_on_held_out_pairs(chain):
     root, _, rm_summary, *_ = chain
-    # 32 held-out pairs; chance is 0.5.
+    # 14 validation pairs; chance is 0.5.
     assert rm_summary["eval_accuracy_end"] >= 0.9, rm_summary
     assert rm_summary["eval_loss_end"] < rm_summary["eval_loss_start"]
     config = json.loads((root / "rm" / "hf_export" / "config.json").read_text())
@@ -85,10 +88,10 @@ def test_online_dpo_runs_on_the_reward_model(chain):
 
 def test_evaluation_report_of_the_dpo_checkpoint(chain):
     root, *_, report = chain
-    assert report["num_prompts"] == 16
+    assert report["num_prompts"] == 32 and report["split"] == "test"  # the fixture's test rows
     assert 0.0 <= report["win_rate"] <= 1.0
     assert math.isfinite(report["sft_perplexity"]) and report["sft_perplexity"] >= 1.0
     assert 1 <= report["response_length_mean"] <= 12
     samples = [json.loads(x) for x in (root / "eval" / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 16 and {"response", "reference", "policy_score"} <= set(samples[0])
+    assert len(samples) == 32 and {"response", "reference", "policy_score"} <= set(samples[0])
     assert json.loads((root / "eval" / "report.json").read_text()) == report

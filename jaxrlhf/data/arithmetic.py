@@ -1,8 +1,10 @@
 """The offline task: two-digit additions with a verifiable answer.
 
 Prompts are asked in the model's chat template ("What is 37 + 45? Answer with just the number.")
-and a response is correct when the last number in it equals the sum. Train and held-out splits
-never share a question.
+and a response is correct when the last number in it equals the sum. The 8,100 pairs (a, b) with
+10 <= a, b <= 99 are split by a hash of the pair (`jaxrlhf.data.splits.hash_fraction`): 80%
+train, 10% validation, 10% test, so carries, sums of three digits and sums ending in 0 fall into
+every split in proportion, and no two splits share a question.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ import re
 
 import numpy as np
 
+from jaxrlhf.data.splits import SPLITS, hash_fraction
+
 QUESTION = "What is {a} + {b}? Answer with just the number."
 _NUMBER = re.compile(r"-?\d+")
+# Upper ends of each split's share of [0, 1) under the pair's hash.
+_BOUNDS = {"train": (0.0, 0.8), "validation": (0.8, 0.9), "test": (0.9, 1.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,16 +29,23 @@ class Problem:
     answer: int
 
 
-def make_problems(count: int, split: str, seed: int = 0, low: int = 10, high: int = 99):
-    """`count` distinct problems of `split` ("train" or "eval"); the splits are disjoint.
+def split_of(a: int, b: int) -> str:
+    """The split the pair (a, b) belongs to: a fixed function of the pair alone."""
+    point = hash_fraction(f"{a}+{b}")
+    return next(name for name, (low, high) in _BOUNDS.items() if low <= point < high)
 
-    Pairs (a, b) are assigned to a split by a hash of the pair, so the split does not depend on
-    `count` or `seed`, and the seed only chooses which pairs of that split are drawn.
+
+def make_problems(count: int, split: str, seed: int = 0, low: int = 10, high: int = 99):
+    """`count` distinct problems of `split` ("train", "validation" or "test"; 0 = all of it).
+
+    The splits are disjoint and fixed (module docstring); the seed only chooses which pairs of
+    the split are drawn, and in which order.
     """
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     pairs = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
-    in_split = [p for p in pairs if ((p[0] * 131 + p[1] * 71) % 10 == 0) == (split == "eval")]
+    in_split = [p for p in pairs if split_of(*p) == split]
+    count = count or len(in_split)
     if count > len(in_split):
         raise ValueError(f"asked for {count} {split} problems, only {len(in_split)} exist")
     order = np.random.default_rng(seed).permutation(len(in_split))[:count]

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf.losses.common import group_rewards, masked_count, masked_mean
+from jaxrlhf.losses.inputs import LossInputs
 
 
 def best_of_k_indices(rewards: jax.Array, k: int) -> jax.Array:
@@ -28,3 +30,16 @@ def sft_nll_loss(
     """
     loss = -masked_mean(token_logprobs, mask)
     return loss, {"loss": loss, "num_tokens": masked_count(mask)}
+
+
+# The loss's registry entry (jaxrlhf.losses.registry): batch preparation and the loss call.
+
+
+def prepare_best_of_k(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
+    """The rows of each prompt's highest-scored sample."""
+    return inputs.rows(np.asarray(best_of_k_indices(inputs.scores, inputs.samples_per_prompt)))
+
+
+def best_of_k_objective(models, cfg, params, batch):
+    """`sft_nll_loss` on the rows of `prepare_best_of_k`."""
+    return sft_nll_loss(models.logprobs(params, batch), batch["loss_mask"])

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.losses.common import masked_mean
+from jaxrlhf.losses.inputs import LossInputs, masked_sequence_logprobs, pair_batch
 
 
 def group_pair_indices(num_prompts: int, k: int) -> tuple[jax.Array, jax.Array]:
@@ -82,3 +83,23 @@ def copg_loss(
         "accuracy": masked_mean(jnp.sign(implicit_gap) == jnp.sign(reward_gap), ordered),
     }
     return loss, metrics
+
+
+# The loss's registry entry (jaxrlhf.losses.registry): batch preparation and the loss call.
+
+
+def prepare_copg(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
+    """Every pair of samples within each prompt's group (`group_pair_indices`)."""
+    k = inputs.samples_per_prompt
+    first, second = group_pair_indices(len(inputs.scores) // k, k)
+    return pair_batch(inputs, np.asarray(first), np.asarray(second), np.ones(len(first)))
+
+
+def copg_objective(models, cfg, params, batch):
+    """`copg_loss` on the pairs of `prepare_copg`, with cfg.beta."""
+    return copg_loss(
+        masked_sequence_logprobs(models, params, batch, "first_"),
+        masked_sequence_logprobs(models, params, batch, "second_"),
+        batch["ref_first"], batch["ref_second"], batch["reward_first"], batch["reward_second"],
+        cfg.beta, valid=batch["valid"],
+    )  # fmt: skip

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf.losses.common import group_rewards, masked_mean
+from jaxrlhf.losses.inputs import LossInputs
 from jaxrlhf.losses.ppo import ppo_policy_loss
 
 
@@ -67,3 +69,32 @@ def grpo_loss(
         metrics["kl"] = jax.lax.stop_gradient(kl)
     metrics["loss"] = loss
     return loss, metrics
+
+
+# The loss's registry entry (jaxrlhf.losses.registry): batch preparation and the loss call.
+
+
+def prepare_grpo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
+    """Every row with its group-normalised advantage, π_old's token log-probs, the reference's
+    when cfg.kl_coef > 0 (the k3 KL term) and the per-token truncated importance weights
+    min(π_old/π_sampler, cap) when cfg.truncated_is_cap > 0."""
+    batch = inputs.rows()
+    batch["old_logprobs"] = inputs.old_logprobs.astype(np.float32)
+    batch["advantages"] = np.asarray(grpo_advantages(inputs.scores, inputs.samples_per_prompt))
+    if cfg.kl_coef:
+        batch["ref_logprobs"] = inputs.ref_logprobs.astype(np.float32)
+    weights = inputs.importance_weights(cfg.truncated_is_cap, per="token")
+    if weights is not None:
+        batch["importance_weights"] = weights
+    return batch
+
+
+def grpo_objective(models, cfg, params, batch):
+    """`grpo_loss` on the rows of `prepare_grpo`, with cfg.clip and cfg.kl_coef."""
+    ref = batch.get("ref_logprobs")
+    return grpo_loss(
+        models.logprobs(params, batch), batch["old_logprobs"], batch["advantages"],
+        batch["loss_mask"], cfg.clip, ref_logprobs=ref,
+        kl_coef=cfg.kl_coef if ref is not None else 0.0,
+        importance_weights=batch.get("importance_weights"),
+    )  # fmt: skip

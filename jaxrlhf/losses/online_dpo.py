@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf.losses.common import group_rewards, masked_mean
+from jaxrlhf.losses.inputs import LossInputs, masked_sequence_logprobs, pair_batch
 
 LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -85,3 +87,28 @@ def online_dpo_loss(
         "valid_fraction": jnp.mean(valid.astype(jnp.float32)),
     }
     return loss, metrics
+
+
+# The loss's registry entry (jaxrlhf.losses.registry): batch preparation and the loss call.
+
+
+def prepare_online_dpo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
+    """Each prompt's best and worst sample (`select_pairs`) as a pair; ties are not valid."""
+    chosen, rejected, valid = select_pairs(inputs.scores, inputs.samples_per_prompt)
+    return pair_batch(inputs, np.asarray(chosen), np.asarray(rejected), np.asarray(valid))
+
+
+def pair_rows(scores: np.ndarray, k: int) -> np.ndarray:
+    """[2·num_prompts] the chosen rows, then the rejected ones: all the loss reads of the
+    reference (with K > 2 samples per prompt, the others are never compared)."""
+    chosen, rejected, _ = select_pairs(scores, k)
+    return np.concatenate([np.asarray(chosen), np.asarray(rejected)])
+
+
+def online_dpo_objective(models, cfg, params, batch, loss_type: str = "sigmoid"):
+    """`online_dpo_loss` on the pairs of `prepare_online_dpo`, with cfg.beta."""
+    return online_dpo_loss(
+        masked_sequence_logprobs(models, params, batch, "first_"),
+        masked_sequence_logprobs(models, params, batch, "second_"),
+        batch["ref_first"], batch["ref_second"], cfg.beta, loss_type, valid=batch["valid"],
+    )  # fmt: skip

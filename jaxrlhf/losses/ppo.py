@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxrlhf.losses.common import clipped_surrogate, masked_mean
+from jaxrlhf.losses.common import clipped_surrogate, masked_mean, masked_whiten
+from jaxrlhf.losses.inputs import LossInputs
 
 
 def last_token_one_hot(mask: jax.Array) -> jax.Array:
@@ -170,3 +172,41 @@ def ppo_loss(
     value_loss, value_metrics = ppo_value_loss(new_values, old_values, returns, mask, clip_value)
     loss = policy_loss + vf_coef * value_loss
     return loss, {"loss": loss, **policy_metrics, **value_metrics}
+
+
+# The loss's registry entry (jaxrlhf.losses.registry): batch preparation and the loss call.
+
+
+def prepare_ppo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
+    """Every row with GAE advantages (whitened over the whole batch when
+    cfg.whiten_advantages) and returns of the per-token KL-penalised rewards (the score alone
+    when kl_coef is 0: no reference then), on the value model's estimates before the update;
+    π_old's token log-probs and the per-token truncated importance weights when
+    cfg.truncated_is_cap > 0."""
+    mask = inputs.loss_mask
+    ref = inputs.ref_logprobs if cfg.kl_coef else inputs.old_logprobs  # no KL term without it
+    rewards = ppo_per_token_rewards(inputs.scores, inputs.old_logprobs, ref, mask, cfg.kl_coef)
+    advantages, returns = compute_gae(rewards, inputs.old_values, mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+    batch = inputs.rows()
+    batch |= {
+        "old_logprobs": inputs.old_logprobs.astype(np.float32),
+        "old_values": inputs.old_values.astype(np.float32),
+        "advantages": np.asarray(advantages, np.float32),
+        "returns": np.asarray(returns, np.float32),
+    }
+    weights = inputs.importance_weights(cfg.truncated_is_cap, per="token")
+    if weights is not None:
+        batch["importance_weights"] = weights
+    return batch
+
+
+def ppo_objective(models, cfg, params, batch):
+    """`ppo_loss` on the rows of `prepare_ppo`: the policy's and the value model's forward."""
+    return ppo_loss(
+        models.logprobs(params, batch), batch["old_logprobs"], batch["advantages"],
+        models.values(params, batch), batch["old_values"], batch["returns"],
+        batch["loss_mask"], cfg.clip, cfg.clip_value, cfg.vf_coef,
+        importance_weights=batch.get("importance_weights"),
+    )  # fmt: skip

@@ -1,8 +1,10 @@
-"""Losses by name: a config string picks the loss, and its spec says what the loss needs.
+"""Losses by name: a config string picks the loss, and its entry says what it needs and how to
+feed it, so adding a loss is one entry here (plus its module).
 
-A trainer looks up `get_loss_spec(config.loss)`, calls `spec.check(...)` once at start-up so a
-bad config fails with a clear message before any model is loaded, and calls `spec.loss_fn`
-(which always returns `(loss, metrics)`).
+Each `LossSpec` owns its batch preparation (`prepare`, host side, once per update) and its loss
+call (`loss`, jit-able); `jaxrlhf.rl.objectives` only looks the entry up. A trainer calls
+`spec.check(...)` once at start-up, so that a bad config fails with a clear message before any
+model is loaded, and runs the reference forward only when `spec.needs_reference(cfg)`.
 """
 
 from __future__ import annotations
@@ -11,34 +13,59 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import Any
 
-from jaxrlhf.losses.best_of_k import sft_nll_loss
-from jaxrlhf.losses.copg import copg_loss
-from jaxrlhf.losses.grpo import grpo_loss
-from jaxrlhf.losses.online_dpo import online_dpo_loss
-from jaxrlhf.losses.ppo import ppo_loss
-from jaxrlhf.losses.rloo import rloo_loss
+import numpy as np
+
+from jaxrlhf.losses.best_of_k import best_of_k_objective, prepare_best_of_k
+from jaxrlhf.losses.copg import copg_objective, prepare_copg
+from jaxrlhf.losses.grpo import grpo_objective, prepare_grpo
+from jaxrlhf.losses.inputs import LossInputs
+from jaxrlhf.losses.online_dpo import online_dpo_objective, pair_rows, prepare_online_dpo
+from jaxrlhf.losses.ppo import ppo_objective, prepare_ppo
+from jaxrlhf.losses.rloo import prepare_rloo, rloo_objective
+
+REFERENCE_USES = ("always", "kl", "never")
 
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-    """What a loss needs from the rest of the trainer.
+    """One loss: how its batch is prepared, how it is called, and what it needs.
 
+    prepare(inputs: LossInputs, cfg) -> batch: numpy arrays of fixed shapes.
+    loss(models, cfg, params, batch) -> (loss, metrics): jit-able; `models` gives the policy's
+        token log-probs (and the value model's estimates); cfg is config.loss_params.
     min_samples_per_prompt: the smallest K (completions per prompt) it works with.
-    needs_reference_logprobs: uses log π_ref of the sampled responses (the KL anchor).
+    reference: when it uses log π_ref of the sampled responses: "always" (its loss is anchored
+        to the reference), "kl" (only through a KL penalty: when loss_params.kl_coef != 0),
+        "never".
     needs_value_model: trains a value head alongside the policy (PPO).
-    needs_old_logprobs: uses log π_old of the behaviour policy in an importance ratio.
+    importance_ratio: uses π_old in an importance ratio (the sampler's or the learner's
+        recompute), so truncated importance sampling applies to it.
     pairwise: consumes pairs of responses to the same prompt rather than single responses.
+    reference_rows(scores, k) -> row indices: the only rows whose reference log-probs the loss
+        reads, of a fixed count for a given batch size (None: all rows). The reference forward
+        then runs on those rows alone; the others stay NaN, so a read would show.
     """
 
     name: str
-    loss_fn: Callable
     description: str
+    prepare: Callable[[LossInputs, Any], dict[str, np.ndarray]]
+    loss: Callable[..., tuple[Any, dict[str, Any]]]
     min_samples_per_prompt: int
-    needs_reference_logprobs: bool
+    reference: str
     needs_value_model: bool
-    needs_old_logprobs: bool
+    importance_ratio: bool
     pairwise: bool
+    reference_rows: Callable[[np.ndarray, int], np.ndarray] | None = None
+
+    def __post_init__(self) -> None:
+        if self.reference not in REFERENCE_USES:
+            raise ValueError(f"LossSpec {self.name!r}: reference must be one of {REFERENCE_USES}")
+
+    def needs_reference(self, loss_params) -> bool:
+        """Whether a run with these `config.loss_params` needs the reference log-probs."""
+        return self.reference == "always" or (self.reference == "kl" and bool(loss_params.kl_coef))
 
     def check(self, samples_per_prompt: int, has_value_model: bool = False) -> None:
         """Raise ValueError if a run with these settings cannot train this loss."""
@@ -57,72 +84,81 @@ class LossSpec:
 _SPECS = (
     LossSpec(
         name="online_dpo",
-        loss_fn=online_dpo_loss,
         description="Online DPO: best vs worst of K samples, −log σ(β h); ties give no gradient",
+        prepare=prepare_online_dpo,
+        loss=online_dpo_objective,
         min_samples_per_prompt=2,
-        needs_reference_logprobs=True,
+        reference="always",
         needs_value_model=False,
-        needs_old_logprobs=False,
+        importance_ratio=False,
         pairwise=True,
+        reference_rows=pair_rows,
     ),
     LossSpec(
         name="ipo",
-        loss_fn=functools.partial(online_dpo_loss, loss_type="ipo"),
         description="Online IPO: best vs worst of K samples, (h − 1/(2β))²",
+        prepare=prepare_online_dpo,
+        loss=functools.partial(online_dpo_objective, loss_type="ipo"),
         min_samples_per_prompt=2,
-        needs_reference_logprobs=True,
+        reference="always",
         needs_value_model=False,
-        needs_old_logprobs=False,
+        importance_ratio=False,
         pairwise=True,
+        reference_rows=pair_rows,
     ),
     LossSpec(
         name="ppo",
-        loss_fn=ppo_loss,
         description="PPO: KL-penalised per-token rewards, GAE, clipped policy and value losses",
+        prepare=prepare_ppo,
+        loss=ppo_objective,
         min_samples_per_prompt=1,
-        needs_reference_logprobs=True,
+        reference="kl",
         needs_value_model=True,
-        needs_old_logprobs=True,
+        importance_ratio=True,
         pairwise=False,
     ),
     LossSpec(
         name="rloo",
-        loss_fn=rloo_loss,
         description="RLOO: leave-one-out baseline on KL-penalised rewards, sequence-level clip",
+        prepare=prepare_rloo,
+        loss=rloo_objective,
         min_samples_per_prompt=2,
-        needs_reference_logprobs=True,
+        reference="kl",
         needs_value_model=False,
-        needs_old_logprobs=True,
+        importance_ratio=True,
         pairwise=False,
     ),
     LossSpec(
         name="grpo",
-        loss_fn=grpo_loss,
-        description="GRPO: group-normalised advantages, token-level clip; reference only if kl",
+        description="GRPO: group-normalised advantages, token-level clip, k3 KL to the reference",
+        prepare=prepare_grpo,
+        loss=grpo_objective,
         min_samples_per_prompt=2,
-        needs_reference_logprobs=False,
+        reference="kl",
         needs_value_model=False,
-        needs_old_logprobs=True,
+        importance_ratio=True,
         pairwise=False,
     ),
     LossSpec(
         name="copg",
-        loss_fn=copg_loss,
         description="CoPG: regress reward gaps on β·log-ratio gaps over pairs, no importance ratio",
+        prepare=prepare_copg,
+        loss=copg_objective,
         min_samples_per_prompt=2,
-        needs_reference_logprobs=True,
+        reference="always",
         needs_value_model=False,
-        needs_old_logprobs=False,
+        importance_ratio=False,
         pairwise=True,
     ),
     LossSpec(
         name="best_of_k",
-        loss_fn=sft_nll_loss,
         description="Best-of-K SFT: NLL on each prompt's highest-scored sample",
+        prepare=prepare_best_of_k,
+        loss=best_of_k_objective,
         min_samples_per_prompt=2,
-        needs_reference_logprobs=False,
+        reference="never",
         needs_value_model=False,
-        needs_old_logprobs=False,
+        importance_ratio=False,
         pairwise=False,
     ),
 )

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf.losses.common import clipped_surrogate, group_rewards, masked_sum
+from jaxrlhf.losses.inputs import LossInputs, masked_sequence_logprobs
 
 
 def kl_penalized_rewards(
@@ -78,3 +80,33 @@ def rloo_loss(
         "advantages_mean": jnp.mean(advantages),
     }
     return loss, metrics
+
+
+# The loss's registry entry (jaxrlhf.losses.registry): batch preparation and the loss call.
+
+
+def prepare_rloo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
+    """Every row with its leave-one-out advantage of the KL-penalised reward (the plain score
+    when kl_coef is 0: no reference then), π_old's sequence log-probs, and the sequence-level
+    truncated importance weight min(π_old/π_sampler, cap) when cfg.truncated_is_cap > 0."""
+    rewards = inputs.scores
+    if cfg.kl_coef:
+        rewards = kl_penalized_rewards(
+            inputs.scores, inputs.old_logprobs, inputs.ref_logprobs, inputs.loss_mask, cfg.kl_coef
+        )
+    batch = inputs.rows()
+    batch["old_logprobs"] = inputs.old_logprobs.astype(np.float32)
+    batch["advantages"] = np.asarray(rloo_advantages(rewards, inputs.samples_per_prompt))
+    weights = inputs.importance_weights(cfg.truncated_is_cap, per="sequence")
+    if weights is not None:
+        batch["importance_weights"] = weights
+    return batch
+
+
+def rloo_objective(models, cfg, params, batch):
+    """`rloo_loss` on the rows of `prepare_rloo`, with cfg.clip."""
+    return rloo_loss(
+        masked_sequence_logprobs(models, params, batch),
+        (batch["old_logprobs"] * batch["loss_mask"]).sum(-1),
+        batch["advantages"], cfg.clip, importance_weights=batch.get("importance_weights"),
+    )  # fmt: skip

@@ -13,6 +13,7 @@ from jaxrlhf.models.hf_io import (
     iter_hf_tensors,
     load_pretrained,
     make_model,
+    params_from_hf,
     read_config,
     save_pretrained,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "load_pretrained",
     "logprobs_from_logits",
     "make_model",
+    "params_from_hf",
     "read_config",
     "save_pretrained",
     "token_logprobs",

@@ -8,10 +8,11 @@ safetensors, the weight-sync client sends it to the generator.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,13 +112,35 @@ def load_pretrained(
             raise ValueError(f"{folder} holds a scalar-head model; it has no LM head to load")
         config = config.with_head(head)
     model = make_model(config, dtype, remat, contraction_block)
+    files = _open_checkpoint(folder)
+    params = params_from_hf(
+        model, {name: functools.partial(f.get, name) for name, f in files.items()}, dtype,
+        mesh=mesh, seed=seed, source=str(folder),
+    )  # fmt: skip
+    return model, params
+
+
+def params_from_hf(
+    model: Transformer,
+    tensors: Mapping[str, np.ndarray | Callable[[], np.ndarray]],
+    dtype: str = "float32",
+    mesh: jax.sharding.Mesh | None = None,
+    seed: int = 0,
+    source: str = "the tensors",
+) -> dict:
+    """Flax params of `model` from HF-layout tensors (name -> array, or a function reading it).
+
+    The inverse of `iter_hf_tensors`. Every tensor the model needs must be there with the exact
+    shape, and none may be left over (ValueError naming it); a missing `score` head starts
+    random (std 0.02, `seed`). With `mesh`, each parameter is placed sharded as it is made.
+    """
+    config = model.config
     abstract = abstract_params(model)
     unboxed = nn.meta.unbox(abstract)
     flax_shapes = {p: tuple(a.shape) for p, a in mapping.flatten(unboxed).items()}
     shardings = None
     if mesh is not None:
         shardings = mapping.flatten(tree_shardings(unboxed, param_logical_axes(abstract), mesh))
-    tensors = _open_checkpoint(folder)
     np_dtype = numpy_dtype(dtype)
     used: set[str] = set()
     flat_params: dict[str, Any] = {}
@@ -130,15 +153,16 @@ def load_pretrained(
             rng = np.random.default_rng(seed)
             value = (rng.standard_normal(shape) * 0.02).astype(np_dtype)
         elif missing:
-            raise ValueError(f"{folder}: checkpoint lacks tensor {missing[0]} (for {rule.flax})")
+            raise ValueError(f"{source}: checkpoint lacks tensor {missing[0]} (for {rule.flax})")
         else:
             parts = []
             for name in names:
-                hf_array = tensors[name].get(name)
+                hf_array = tensors[name]
+                hf_array = np.asarray(hf_array() if callable(hf_array) else hf_array)
                 expected = rule.layout.hf_shape(layer_shape)
                 if hf_array.shape != expected:
                     raise ValueError(
-                        f"{folder}: tensor {name} has shape {hf_array.shape}, expected {expected}"
+                        f"{source}: tensor {name} has shape {hf_array.shape}, expected {expected}"
                     )
                 parts.append(rule.layout.to_flax(hf_array, layer_shape).astype(np_dtype))
                 used.add(name)
@@ -155,8 +179,8 @@ def load_pretrained(
         and not (config.head == "score" and n in ("lm_head.weight", "embed_out.weight"))
     ]
     if unused:
-        raise ValueError(f"{folder}: checkpoint tensors not used by the model: {unused[:5]}")
-    return model, mapping.unflatten(flat_params)
+        raise ValueError(f"{source}: checkpoint tensors not used by the model: {unused[:5]}")
+    return mapping.unflatten(flat_params)
 
 
 def _to_host(array: jax.Array) -> np.ndarray:

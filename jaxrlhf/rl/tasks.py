@@ -16,12 +16,13 @@ from jaxrlhf.rl.rollout import PromptItem
 class Task:
     name: str
     train_prompts: list[PromptItem]
-    eval_prompts: list[PromptItem]
+    eval_prompts: list[PromptItem]  # the validation split
     pad_id: int
     decode: Callable[[Sequence[int]], str]
     # (answer, response text) -> reward; None = the task needs a reward model.
     verify: Callable[[str, str], float] | None = None
     eval_references: list[str] = dataclasses.field(default_factory=list)
+    test_prompts: list[PromptItem] = dataclasses.field(default_factory=list)
 
     @property
     def verifiable(self) -> bool:
@@ -50,18 +51,21 @@ def tokenize_prompts(
     return items
 
 
-def build_task(config, tokenizer) -> Task:
-    """The configured task (`config.task`), tokenized for the policy."""
+def build_task(config, tokenizer, test: bool = True) -> Task:
+    """The configured task (`config.task`), tokenized for the policy; `test`: with the test
+    split's prompts as well."""
     task_cfg, limit = config.task, config.rollout.max_prompt_tokens
     train = recipes.prompt_examples(task_cfg, "train", config.seed)
-    held_out = recipes.prompt_examples(task_cfg, "eval", config.seed)
+    validation = recipes.prompt_examples(task_cfg, "validation", config.seed)
+    test_examples = recipes.prompt_examples(task_cfg, "test", config.seed) if test else []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Task(
         name=task_cfg.name,
         train_prompts=tokenize_prompts(tokenizer, train, limit, "train"),
-        eval_prompts=tokenize_prompts(tokenizer, held_out, limit, "eval"),
+        eval_prompts=tokenize_prompts(tokenizer, validation, limit, "validation"),
         pad_id=pad,
         decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
         verify=recipes.verifier(task_cfg),
-        eval_references=[e.reference for e in held_out],
+        eval_references=[e.reference for e in validation],
+        test_prompts=tokenize_prompts(tokenizer, test_examples, limit, "test"),
     )

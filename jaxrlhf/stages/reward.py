@@ -100,7 +100,7 @@ def run(config, model_path: Path, log) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     length = config.train.max_length
     train = build_pairs(tokenizer, recipes.preference_pairs(config.task, "train"), length)
-    held_out = build_pairs(tokenizer, recipes.preference_pairs(config.task, "eval"), length)
+    held_out = build_pairs(tokenizer, recipes.preference_pairs(config.task, "validation"), length)
     log(f"reward model on {len(train['input_ids'])} preference pairs ({config.task.name}), "
         f"{len(held_out['input_ids'])} held out")  # fmt: skip
     state, summary = train_supervised(

@@ -48,7 +48,7 @@ def run(config, model_path: Path, log) -> dict:
 
     started = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    task = build_task(config, tokenizer)
+    task = build_task(config, tokenizer, test=config.eval.test)
     with generator_pool(config, model_path, log) as pool:
         result = run_rlhf(config, model_path, task, pool, log)
     summary = {**result.summary, "total_seconds": time.perf_counter() - started}
@@ -62,15 +62,23 @@ def run(config, model_path: Path, log) -> dict:
 def summary_lines(summary: dict, out: Path) -> list[str]:
     """The human-readable end of a run: before/after, time, staleness, where things are."""
     lines = []
-    for metric in ("eval_accuracy", "eval_reward"):
-        start, end = summary.get(f"{metric}_start"), summary.get(f"{metric}_end")
-        if start is not None and end is not None:
-            name = metric.removeprefix("eval_")
-            if metric == "eval_accuracy":
-                lines.append(f"held-out greedy {name}: {start:.1%} -> {end:.1%} "
-                             f"({100 * (end - start):+.1f} points)")  # fmt: skip
+    for split, prefix in (("validation", "eval"), ("test", "test")):
+        for name in ("accuracy", "reward"):
+            key = f"{prefix}_{name}"
+            start, end = summary.get(f"{key}_start"), summary.get(f"{key}_end")
+            if end is None:
+                continue
+            count = summary.get(f"{prefix}_prompts", "?")
+            interval = 1.96 * summary.get(f"{key}_end_stderr", float("nan"))
+            if name == "accuracy":
+                change = "" if start is None else f"{start:.1%} -> "
+                gain = "" if start is None else f" ({100 * (end - start):+.1f} points)"
+                lines.append(f"{split} greedy accuracy on {count} prompts: {change}{end:.1%} "
+                             f"± {100 * interval:.1f}{gain} (95% interval)")  # fmt: skip
             else:
-                lines.append(f"held-out greedy {name}: {start:.3f} -> {end:.3f}")
+                change = "" if start is None else f"{start:.3f} -> "
+                lines.append(f"{split} greedy reward on {count} prompts: {change}{end:.3f} "
+                             f"± {interval:.3f} (95% interval)")  # fmt: skip
     lines.append(f"time: {summary['total_seconds'] / 60:.1f} min in all "
                  f"({summary['wall_seconds'] / 60:.1f} min training loop)")  # fmt: skip
     if "staleness_mean_last5" in summary:

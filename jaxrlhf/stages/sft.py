@@ -60,7 +60,7 @@ def run(config, model_path: Path, log) -> dict:
         tokenizer, recipes.sft_examples(config.task, "train", config.seed), length
     )
     held_out = build_examples(
-        tokenizer, recipes.sft_examples(config.task, "eval", config.seed), length
+        tokenizer, recipes.sft_examples(config.task, "validation", config.seed), length
     )
     log(f"SFT on {len(train['input_ids'])} examples ({config.task.name}), "
         f"{len(held_out['input_ids'])} held out")  # fmt: skip

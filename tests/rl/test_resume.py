@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import REPO
 
 COMPARED = ("loss", "reward_mean", "score_mean", "kl", "staleness_mean", "staleness_max",
-            "logprob_gap", "eos_rate", "response_length_mean")  # fmt: skip
+            "eos_rate", "response_length_mean")  # fmt: skip
 
 
 def command(output_dir, address, *extra):

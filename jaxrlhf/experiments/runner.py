@@ -1,0 +1,226 @@
+"""Many `python -m jaxrlhf.main` runs, one after another, against one generator service.
+
+An experiment plans its runs (`PlannedRun`: the labels that place it in a table, a folder and
+its `--config.KEY=VALUE` overrides), and `Runner.run_all` executes them: the first run that
+needs a generator starts one service for the whole experiment (saving an engine start per run;
+each run publishes its initial weights first, since the service serves the previous run's), a
+run whose folder holds a finished run with the same overrides is reused, a failed run is
+recorded and the experiment goes on. Each run's figures (`run_figures`) come from its
+`metrics.jsonl` and `summary.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxrlhf.experiments import load_config, log_tail, main_command, read_run, run_main
+
+SETTINGS_FILE = "experiment.json"  # in each run's folder: the overrides it ran with
+# Held-out figures of summary.json: the validation split's (eval_*) and the test split's.
+_SUMMARY_KEY = re.compile(r"^(eval|test)_(accuracy|reward)_(start|end)(_stderr)?$")
+_EVAL_KEYS = ("eval_accuracy", "test_accuracy", "eval_reward", "test_reward")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+    labels: dict[str, Any]  # e.g. {"loss": "rloo", "num_mini_batches": 4, "seed": 0}
+    folder: Path
+    overrides: dict[str, Any]  # without the generator address (it changes per experiment)
+
+
+def run_figures(
+    records: Sequence[dict[str, Any]], summary: dict[str, Any], last: int
+) -> dict[str, Any]:
+    """One finished run's figures: final reward and KL (means over the last `last` steps),
+    the held-out figures before and after training (validation: eval_*, test: test_*), the
+    evaluations during the run by step, staleness and time."""
+    if not records:
+        raise ValueError("the run has no metrics records")
+    tail = list(records)[-last:]
+    figures: dict[str, Any] = {
+        "final_reward": sum(r["reward_mean"] for r in tail) / len(tail),
+        "staleness_mean": sum(r["staleness_mean"] for r in records) / len(records),
+        "staleness_max": max(r["staleness_max"] for r in records),
+        "steps_done": len(records),
+        "wall_seconds": summary.get("wall_seconds"),
+    }
+    if all("kl" in r for r in tail):
+        figures["final_kl"] = sum(r["kl"] for r in tail) / len(tail)
+    figures |= {key: value for key, value in summary.items() if _SUMMARY_KEY.match(key)}
+    figures["evals"] = {
+        str(r["step"]): {key: r[key] for key in _EVAL_KEYS if key in r}
+        for r in records
+        if any(key in r for key in _EVAL_KEYS)
+    }
+    return figures
+
+
+def finished_with(folder: Path, overrides: dict[str, Any]) -> bool:
+    """Whether `folder` holds a finished run made with exactly these overrides."""
+    settings = folder / SETTINGS_FILE
+    return (
+        (folder / "summary.json").exists()
+        and settings.exists()
+        and json.loads(settings.read_text()) == json.loads(json.dumps(overrides))
+    )
+
+
+class Runner:
+    """Executes planned runs against one generator service (module docstring)."""
+
+    def __init__(
+        self,
+        config_file: Path,
+        out: Path,
+        name: str,
+        generator_addresses: str = "",
+        cpus_generator: str = "",
+        rerun: bool = False,
+        report_only: bool = False,
+        keep_checkpoints: bool = False,
+    ):
+        self.config_file, self.out, self.name = config_file, out, name
+        self.address = generator_addresses
+        self.cpus_generator = cpus_generator
+        self.rerun, self.report_only = rerun, report_only
+        self.keep_checkpoints = keep_checkpoints
+        self.server = None
+
+    def needs_run(self, run: PlannedRun) -> bool:
+        return not self.report_only and (self.rerun or not finished_with(run.folder, run.overrides))
+
+    def run_all(
+        self,
+        runs: Sequence[PlannedRun],
+        last: int,
+        on_progress: Callable[[list[dict[str, Any]]], None] = lambda entries: None,
+    ) -> list[dict[str, Any]]:
+        """Each run's entry (labels, status, figures), in plan order; `on_progress(entries)`
+        after each one (e.g. to write results.json as the experiment goes)."""
+        pending = [run for run in runs if self.needs_run(run)]
+        entries: list[dict[str, Any]] = []
+        started = time.perf_counter()
+        try:
+            for run in runs:
+                returncode = seconds = None
+                if run in pending:
+                    done = pending.index(run)
+                    print(f"[{self.name}] run {done + 1}/{len(pending)}: {run.labels} -> "
+                          f"{run.folder}", flush=True)  # fmt: skip
+                    returncode, seconds = self._execute(run)
+                entry = self.entry(run, last)
+                if returncode:
+                    entry["status"] = f"failed (exit {returncode}, log {run.folder / 'run.log'})"
+                entry["seconds"] = seconds or entry["seconds"]
+                entries.append(entry)
+                on_progress(entries)
+                if returncode is not None:
+                    left = (time.perf_counter() - started) / (done + 1) * (len(pending) - done - 1)
+                    print(f"[{self.name}] {run.labels}: {entry['status']} in {seconds:.0f} s; "
+                          f"about {left / 60:.0f} min left", flush=True)  # fmt: skip
+        finally:
+            self.close()
+        return entries
+
+    def entry(self, run: PlannedRun, last: int) -> dict[str, Any]:
+        """The run's figures, or the reason there are none."""
+        entry: dict[str, Any] = {**run.labels, "output_dir": str(run.folder)}
+        try:
+            records, summary = read_run(run.folder)
+            entry.update(status="ok", **run_figures(records, summary, last))
+            entry["seconds"] = summary.get("total_seconds")
+        except (FileNotFoundError, ValueError) as error:
+            entry.update(status="missing", error=str(error), seconds=None)
+        return entry
+
+    def _execute(self, run: PlannedRun) -> tuple[int, float]:
+        if not self.address:
+            self.server = self._start_generator(run.overrides)
+            self.address = self.server.address
+        if self.server is not None and self.server.process.poll() is not None:
+            sys.exit(f"the generator service exited:\n{self.server.log_tail()}")
+        if run.folder.exists():
+            shutil.rmtree(run.folder)
+        command = main_command(
+            self.config_file, {**run.overrides, "generator.addresses": self.address}
+        )
+        returncode, seconds = run_main(command, run.folder / "run.log")
+        if returncode == 0:
+            (run.folder / SETTINGS_FILE).write_text(json.dumps(run.overrides, indent=2))
+        else:
+            print(log_tail(run.folder / "run.log"), flush=True)
+        if not self.keep_checkpoints:
+            shutil.rmtree(run.folder / "checkpoints", ignore_errors=True)
+        return returncode, seconds
+
+    def _start_generator(self, overrides: dict[str, Any]):
+        """One service for every run, with the runs' engine settings."""
+        from jaxrlhf.models.paths import resolve_model
+        from jaxrlhf.rl.service import start_server
+
+        config = load_config(self.config_file, overrides)
+        gen = config.generator
+        engine_args = ["--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
+                       "--seed", str(gen.seed)]  # fmt: skip
+        cpus = [int(c) for c in self.cpus_generator.split(",")] if self.cpus_generator else None
+        log = self.out / "generator.log"
+        print(f"[{self.name}] starting a generator service (log: {log})", flush=True)
+        return start_server(resolve_model(config.model.path), log, engine_args, cpus=cpus)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.terminate()
+            self.server = None
+
+
+def add_runner_arguments(parser) -> None:
+    """The command-line flags every experiment shares."""
+    parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a model folder")
+    parser.add_argument("--seeds", default="0,1,2", help="config.seed values, one run each")
+    parser.add_argument("--last", type=int, default=5, help="steps averaged for final figures")
+    parser.add_argument("--cpus-generator", default="", help='e.g. "1" (default: not pinned)')
+    parser.add_argument("--cpus-learner", default="", help='e.g. "0" (default: not pinned)')
+    parser.add_argument(
+        "--generator-addresses", default="", help="use running services instead of starting one"
+    )
+    parser.add_argument("--rerun", action="store_true", help="rerun runs already finished")
+    parser.add_argument("--keep-checkpoints", action="store_true")
+    parser.add_argument(
+        "--report-only", action="store_true", help="only read the runs already in --out"
+    )
+
+
+def parse_passthrough(parser, extra: Sequence[str]) -> dict[str, str]:
+    """`--config.KEY=VALUE` arguments passed to every run; anything else is an error."""
+    unknown = [a for a in extra if not a.startswith("--config.") or "=" not in a]
+    if unknown:
+        parser.error(f"unknown arguments {unknown} (only --config.KEY=VALUE pass through)")
+    return dict(a.removeprefix("--config.").split("=", 1) for a in extra)
+
+
+def parse_seeds(text: str) -> list[int]:
+    return sorted({int(s) for s in text.split(",") if s.strip()})
+
+
+def common_overrides(args, output_dir: Path, steps: int) -> dict[str, Any]:
+    """Overrides every experiment run gets: its folder, length, checkpoints only at the end,
+    no export, the model and the learner's cores."""
+    overrides: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "total_steps": steps,
+        "checkpoint.every": steps,
+        "export": False,
+    }
+    if args.cpus_learner:
+        overrides["learner_cpus"] = args.cpus_learner
+    if args.model not in ("smollm2", "tiny"):
+        overrides["model.path"] = args.model
+    return overrides

@@ -1,0 +1,243 @@
+"""The learner's state and its one update: a rollout batch in, an optimizer step out.
+
+`Learner.learn(rollout, task)` is everything between "a batch arrived" and "the parameters
+changed": rewards (the task's verifier or a reward model) and the missing-EOS penalty, the
+forwards the loss needs before the update (the reference's, the learner's recompute of π_old,
+PPO's value estimates; each only when needed), the loss's batch preparation, and one jitted,
+mesh-sharded train step. The loop around it (`jaxrlhf.rl.trainer`) owns generation, versions,
+publishing and checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxrlhf import losses
+from jaxrlhf.losses import LossInputs
+from jaxrlhf.models import load_pretrained, logprobs_from_logits
+from jaxrlhf.rl.batch import RolloutArrays, prompt_width, rollout_arrays
+from jaxrlhf.rl.objectives import build_objective, value_estimates
+from jaxrlhf.rl.rewards import apply_eos_penalty
+from jaxrlhf.rl.rollout import Rollout, Sample
+from jaxrlhf.rl.tasks import Task
+from jaxrlhf.sharding import activate, shard_batch
+from jaxrlhf.train_state import (
+    build_train_step,
+    create_train_state,
+    params_shardings,
+    state_shardings,
+)
+
+
+class Learner:
+    """Policy (+ value) train state on the mesh, the frozen reference, and jitted helpers."""
+
+    def __init__(self, config, model_path: Path, mesh):
+        cfg = config
+        self.mesh = mesh
+        self.temperature = cfg.rollout.temperature
+        self.spec = losses.get_loss_spec(cfg.loss)
+        self.loss_params = cfg.loss_params
+        self.policy, policy_params = load_pretrained(
+            model_path,
+            dtype=cfg.model.dtype,
+            mesh=mesh,
+            remat=cfg.model.remat,
+            contraction_block=cfg.model.contraction_block,
+        )
+        params = {"policy": policy_params}
+        shardings = {"policy": params_shardings(self.policy, mesh)}
+        self.value = None
+        if self.spec.needs_value_model:
+            value_path = cfg.loss_params.value_model_path or model_path
+            self.value, params["value"] = load_pretrained(
+                value_path,
+                dtype=cfg.model.dtype,
+                head="score",
+                mesh=mesh,
+                seed=cfg.seed,
+                contraction_block=cfg.model.contraction_block,
+            )
+            shardings["value"] = params_shardings(self.value, mesh)
+        self.ref_params = None
+        if self.spec.needs_reference(cfg.loss_params):
+            # The reference is the initial policy: a frozen copy on the mesh.
+            self.ref_params = jax.tree.map(jnp.copy, policy_params)
+        # The learner's own log-probs of the sampled tokens, before the update: π_old of the
+        # ratio when old_logprobs="learner" (truncated IS needs it too: the config refuses a
+        # cap without it). Otherwise π_old is the sampler's, and this forward is skipped.
+        self.recompute_old = cfg.loss_params.old_logprobs == "learner"
+        optimizer = optax.chain(
+            optax.clip_by_global_norm(cfg.train.max_grad_norm),
+            optax.adamw(cfg.train.learning_rate, weight_decay=cfg.train.weight_decay),
+        )
+        self.shardings = state_shardings(shardings, optimizer, params, mesh)
+        self.state = create_train_state(params, optimizer, self.shardings)
+        self.objective = build_objective(
+            cfg.loss, self.policy, self.value, cfg.loss_params, cfg.rollout.temperature
+        )
+        self._optimizer = optimizer
+        self._steps: dict[tuple, Any] = {}
+        policy, temperature = self.policy, self.temperature
+
+        def logprobs(params, input_ids, attention_mask):
+            with activate(mesh):
+                logits = policy.apply({"params": params}, input_ids, attention_mask)
+                return logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
+
+        self.logprobs = jax.jit(logprobs)
+        self.values = jax.jit(value_estimates(self.value)) if self.value else None
+        self.reward = None
+        if cfg.task.reward_model:
+            from jaxrlhf.models.paths import resolve_model
+            from jaxrlhf.stages.reward import RewardScorer
+
+            self.reward = RewardScorer(resolve_model(cfg.task.reward_model), mesh, cfg.model.dtype)
+            if self.reward.model.config.vocab_size != self.policy.config.vocab_size:
+                raise ValueError(
+                    f"config.task.reward_model={cfg.task.reward_model!r} has a vocabulary of "
+                    f"{self.reward.model.config.vocab_size}, the policy "
+                    f"{self.policy.config.vocab_size}: the reward model must share the "
+                    f"policy's tokenizer"
+                )
+        self.samples_per_prompt = cfg.rollout.samples_per_prompt
+        self.rows_per_batch = cfg.rollout.prompts_per_batch * cfg.rollout.samples_per_prompt
+        self.prompt_len = cfg.rollout.max_prompt_tokens
+        self.prompt_pad_multiple = cfg.rollout.prompt_pad_multiple
+        self.response_len = cfg.rollout.max_response_tokens
+        penalty = cfg.loss_params.penalty_reward_value
+        self.eos_penalty = penalty if cfg.loss_params.missing_eos_penalty else None
+
+    def prompt_width(self, rollout: Rollout) -> int:
+        """The prompt columns of this batch's arrays (see config rollout.prompt_pad_multiple)."""
+        return prompt_width(rollout, self.prompt_len, self.prompt_pad_multiple)
+
+    def arrays(self, rollout: Rollout, pad_id: int) -> RolloutArrays:
+        return rollout_arrays(rollout, pad_id, self.prompt_width(rollout), self.response_len)
+
+    def score(self, task: Task, prompts, responses, arrays=None) -> np.ndarray:
+        """Rewards of (prompt, response ids) pairs: the task's verifier or the reward model
+        (scored in chunks of one rollout batch, so the jitted scorer compiles once)."""
+        if self.reward is None:
+            return np.array(
+                [task.score(p, r) for p, r in zip(prompts, responses, strict=True)], np.float32
+            )
+        if arrays is None:
+            rollout = Rollout(0, list(prompts), [
+                Sample(i, 0, tuple(r), (), "stop", 0) for i, r in enumerate(responses)
+            ], 0, 0.0)  # fmt: skip
+            arrays = self.arrays(rollout, task.pad_id)
+        ids, mask, n = arrays.input_ids, arrays.attention_mask, len(arrays.input_ids)
+        out = []
+        for start in range(0, n, self.rows_per_batch):
+            rows = np.arange(start, start + self.rows_per_batch) % n  # the last chunk wraps
+            out.append(self.reward(ids[rows], mask[rows])[: n - start])
+        return np.concatenate(out)[:n]
+
+    def loss_inputs(self, arrays: RolloutArrays, scores: np.ndarray) -> tuple[LossInputs, dict]:
+        """The loss's inputs, with the forwards it needs run before the update, and the
+        learner's own log-probs of the batch when they were computed (else None)."""
+        mask = arrays.loss_mask
+        ids, attention = shard_batch(
+            {"i": arrays.input_ids, "m": arrays.attention_mask}, self.mesh
+        ).values()
+        policy = self.state.params["policy"]
+        learner_lp = None
+        if self.recompute_old:
+            learner_lp = np.asarray(self.logprobs(policy, ids, attention)) * mask
+        ref_lp = None
+        if self.ref_params is not None:
+            ref_lp = self._reference_logprobs(arrays, scores, ids, attention)
+        old_values = None
+        if self.values is not None:
+            old_values = np.asarray(self.values(self.state.params["value"], ids, attention))
+        inputs = LossInputs(
+            input_ids=arrays.input_ids,
+            attention_mask=arrays.attention_mask,
+            loss_mask=mask,
+            scores=scores,
+            samples_per_prompt=self.samples_per_prompt,
+            sampler_logprobs=arrays.sampler_logprobs,
+            old_logprobs=learner_lp if learner_lp is not None else arrays.sampler_logprobs,
+            ref_logprobs=ref_lp,
+            old_values=old_values,
+        )
+        return inputs, {"learner_logprobs": learner_lp}
+
+    def _reference_logprobs(self, arrays: RolloutArrays, scores, ids, attention) -> np.ndarray:
+        """log π_ref of the batch's tokens (0 off-response): of every row, or only of the rows
+        the loss reads (`LossSpec.reference_rows`; NaN elsewhere)."""
+        mask = arrays.loss_mask
+        if self.spec.reference_rows is None:
+            return np.asarray(self.logprobs(self.ref_params, ids, attention)) * mask
+        rows = self.spec.reference_rows(scores, self.samples_per_prompt)
+        subset = shard_batch(
+            {"i": arrays.input_ids[rows], "m": arrays.attention_mask[rows]}, self.mesh
+        )
+        out = np.full(mask.shape, np.nan, np.float32)
+        out[rows] = np.asarray(self.logprobs(self.ref_params, subset["i"], subset["m"]))
+        out[rows] *= mask[rows]
+        return out
+
+    def learn(self, rollout: Rollout, task: Task) -> dict[str, Any]:
+        """One optimizer update on `rollout`; returns its metrics (module docstring)."""
+        arrays = self.arrays(rollout, task.pad_id)
+        raw = self.score(
+            task,
+            [rollout.prompts[s.prompt_index] for s in rollout.samples],
+            [s.token_ids for s in rollout.samples],
+            arrays,
+        )
+        scores = apply_eos_penalty(raw, arrays.finished, self.eos_penalty)
+        started = time.perf_counter()
+        inputs, extra = self.loss_inputs(arrays, scores)
+        batch = self.objective.prepare(inputs)
+        prepared = time.perf_counter()
+        metrics = self.train_step(batch)
+        train_s = time.perf_counter() - prepared
+        record = {
+            "loss": metrics["loss"],
+            "reward_mean": float(raw.mean()),
+            "score_mean": float(scores.mean()),
+            **behaviour_metrics(inputs, extra["learner_logprobs"]),
+            "eos_rate": float(arrays.finished.mean()),
+            "response_length_mean": float(arrays.response_lengths.mean()),
+            "train_tokens_per_s": float(arrays.loss_mask.sum()) / max(train_s, 1e-9),
+            "prepare_s": prepared - started,
+            "train_s": train_s,
+        }
+        record.update({f"loss/{k}": v for k, v in metrics.items() if k != "loss"})
+        return record
+
+    def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+        shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
+        if shapes not in self._steps:
+            self._steps[shapes] = build_train_step(
+                self.objective.loss_fn, self._optimizer, self.mesh, self.shardings, dict(shapes)
+            )
+        self.state, metrics = self._steps[shapes](self.state, shard_batch(batch, self.mesh))
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def behaviour_metrics(inputs: LossInputs, learner_logprobs: np.ndarray | None) -> dict[str, float]:
+    """kl: mean over samples of Σ_t (log π − log π_ref) on response tokens, with π the learner's
+    policy before the update when its log-probs were computed, else the sampler's (the behaviour
+    policy, one version behind in async mode); only when the run has a reference, and over the
+    samples the loss reads it of (Online DPO: each prompt's chosen and rejected).
+    logprob_gap: mean |sampler − learner| log-prob on the same tokens, when both exist."""
+    out = {}
+    policy = learner_logprobs if learner_logprobs is not None else inputs.sampler_logprobs
+    if inputs.ref_logprobs is not None:
+        per_sample = inputs.sequence_sums(policy - inputs.ref_logprobs)
+        out["kl"] = float(per_sample[np.isfinite(per_sample)].mean())
+    if learner_logprobs is not None:
+        real = inputs.loss_mask > 0
+        out["logprob_gap"] = float(np.abs(inputs.sampler_logprobs - learner_logprobs)[real].mean())
+    return out

@@ -1,0 +1,65 @@
+"""Every experiment and the async speedup bench, run for real on the tiny model (smoke tests).
+
+Each drives real `python -m jaxrlhf.main` runs against the suite's shared generator service,
+for a step or two, and reads back what it wrote: so that none of them can break silently
+(their pure parts are tested by hand in tests/test_experiments.py).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+# Small held-out splits and no evaluation before training: the runs only need to finish.
+QUICK = ["--config.task.num_eval=4", "--config.task.num_test=4", "--config.eval.at_start=false"]
+
+
+def run(args, timeout=600):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    result = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_offpolicy_experiment_runs(generator_address, tmp_path):
+    out = run(["-m", "jaxrlhf.experiments.offpolicy", "--model", "tiny", "--losses", "rloo",
+               "--mini-batches", "1,2", "--steps", "2", "--seeds", "0", "--out", str(tmp_path),
+               "--generator-addresses", generator_address, *QUICK])  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [(c["num_mini_batches"], c["seeds"]) for c in results["cells"]] == [(1, 1), (2, 1)]
+    assert all(math.isfinite(c["test_accuracy_end"]) for c in results["cells"])
+    assert [r["staleness_max"] for r in results["runs"]] == [0, 1]
+    assert "| rloo | 2 | 1 |" in out and (tmp_path / "offpolicy.png").exists()
+
+
+@pytest.mark.slow
+def test_async_vs_sync_experiment_runs(generator_address, tmp_path):
+    out = run(["-m", "jaxrlhf.experiments.async_vs_sync", "--model", "tiny", "--steps", "2",
+               "--eval-every", "1", "--seeds", "0", "--out", str(tmp_path),
+               "--generator-addresses", generator_address, *QUICK])  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["split"], r["step"]): r for r in results["comparisons"]}
+    assert set(rows) == {(s, n) for s in ("test", "validation") for n in (1, 2)}
+    assert all(math.isfinite(r["sync"]) and math.isfinite(r["async"]) for r in rows.values())
+    assert results["chosen"] == "default" and "chosen on validation: default" in out
+    assert (tmp_path / "async_vs_sync.png").exists()
+
+
+@pytest.mark.slow
+def test_async_speedup_bench_runs(generator_address, tmp_path):
+    out = run(["bench/async_speedup.py", "--model", "tiny", "--steps", "3", "--warmup", "1",
+               "--out", str(tmp_path), f"--config.generator.addresses={generator_address}",
+               *QUICK])  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["ideal_speedup"] >= 1.0 and result["achieved_speedup"] > 0
+    assert result["sync"]["window"] == result["async"]["window"] == [2, 3]
+    assert "ideal speedup" in out
