@@ -23,5 +23,7 @@ def recipe(task: str, stage: str, base_model: str):
     root = f"runs/{task}"
     config.output_dir = f"{root}/{stage}"
     config.model.path = base_model if stage == "sft" else f"{root}/sft"
+    config.model.architecture = base_model  # the shapes, before the SFT stage has run
+    config.task.reward_model_architecture = base_model  # the reward stage starts from SFT
     config.eval.sft_model = f"{root}/sft"
     return config, root

@@ -16,6 +16,13 @@ SFT_MODEL = "realtreetune/rho-1b-sft-GSM8K"
 
 def get_config(stage: str = ""):
     config, root = recipe("gsm8k", stage, "microsoft/rho-math-1b-v0.1")
+    # fp32 on one 80 GB GPU: remat, micro-batches of 32 sequences and log-probs 128 positions
+    # at a time (`python -m jaxrlhf.plan --config=configs/gsm8k.py[:stage]` checks it fits).
+    config.model.remat = True
+    config.model.logprob_chunk = 128
+    config.train.micro_batch_size = 32
+    config.hardware.devices = 1
+    config.hardware.device_memory_gib = 80.0
     config.train.max_length = 768
     config.train.batch_size = 64
     if config.stage == "sft":

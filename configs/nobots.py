@@ -18,8 +18,16 @@ from configs._recipe import recipe
 
 def get_config(stage: str = ""):
     config, root = recipe("nobots", stage, "meta-llama/Llama-3.1-8B")
+    # bfloat16 compute on float32 master weights and Adam state (lr 8e-7 rounds away in bf16),
+    # remat, 16 sequences per forward/backward, log-probs 256 positions at a time: the plan
+    # (`python -m jaxrlhf.plan --config=configs/nobots.py`) fits 8 x 80 GB with FSDP.
     config.model.dtype = "bfloat16"
+    config.model.param_dtype = "float32"
     config.model.remat = True
+    config.model.logprob_chunk = 256
+    config.train.micro_batch_size = 16
+    config.hardware.devices = 8
+    config.hardware.device_memory_gib = 80.0
     config.train.max_length = 2048
     config.train.batch_size = 128
     if config.stage == "sft":

@@ -19,7 +19,13 @@ from configs._recipe import recipe
 
 def get_config(stage: str = ""):
     config, root = recipe("tldr", stage, "EleutherAI/pythia-1b-deduped")
+    # fp32 on one 80 GB GPU: remat, micro-batches of 32 sequences and log-probs 128 positions
+    # at a time (`python -m jaxrlhf.plan --config=configs/tldr.py[:stage]` checks it fits).
     config.model.remat = True
+    config.model.logprob_chunk = 128
+    config.train.micro_batch_size = 32
+    config.hardware.devices = 1
+    config.hardware.device_memory_gib = 80.0
     config.train.max_length = 512 + 53
     config.train.batch_size = 64
     if config.stage == "sft":

@@ -14,6 +14,7 @@ import ml_collections
 
 from jaxrlhf.data.recipes import TASKS, VERIFIABLE
 from jaxrlhf.losses import LOSSES
+from jaxrlhf.train_state import micro_batch_count
 
 STAGES = ("sft", "reward", "rlhf")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -30,8 +31,24 @@ def base_config() -> ml_collections.ConfigDict:
     # locally; otherwise a local Hugging Face folder or a hub name.
     # contraction_block > 0: float32 matmuls summed in blocks (torch's accuracy on CPU, ~1.7x
     # slower there; see jaxrlhf.models.layers.contract). 0 = one dot per matmul.
-    c.model = dict(path="smollm2", dtype="float32", remat=False, contraction_block=0)
+    # dtype: the compute dtype; param_dtype: the trained models' parameters and optimizer state
+    # (float32 master weights: an Adam step at lr 8e-7 rounds away in bfloat16); frozen models
+    # (reference, reward) are held in the compute dtype. logprob_chunk > 0: token log-probs
+    # computed that many positions at a time (no [rows, T, vocab] float32 logits at once).
+    # architecture: a hub name or folder whose config.json gives the shapes when `path` is not
+    # there yet (a recipe stage's output dir before that stage ran; `jaxrlhf.plan`).
+    c.model = dict(
+        path="smollm2",
+        architecture="",
+        dtype="float32",
+        param_dtype="float32",
+        remat=False,
+        contraction_block=0,
+        logprob_chunk=0,
+    )
     c.mesh = dict(shape=(1, -1, 1))
+    # The learner hardware this config is sized for (`python -m jaxrlhf.plan` checks it fits).
+    c.hardware = dict(devices=1, device_memory_gib=24.0)
     c.distributed = dict(enabled=False, coordinator_address="", num_processes=1, process_id=0)
     c.task = dict(
         name="arithmetic",  # arithmetic | tldr | nobots | gsm8k (jaxrlhf.data.recipes)
@@ -51,6 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
         # RLHF reward: "" = the task's verifiable reward (arithmetic, gsm8k); else a reward
         # model (a folder with a score head, e.g. the reward stage's output dir).
         reward_model="",
+        reward_model_architecture="",  # its shapes before it exists (as model.architecture)
     )
     c.rollout = dict(
         prompts_per_batch=8,
@@ -63,7 +81,7 @@ def base_config() -> ml_collections.ConfigDict:
         # max_prompt_tokens (one shape).
         prompt_pad_multiple=16,
         max_response_tokens=16,
-        weight_sync_dtype="",  # "" = the learner's dtype
+        weight_sync_dtype="",  # published weights: "" = the compute dtype (model.dtype)
         # Seeded generation calls: batch i's samples depend only on (seed, i, weights), so a
         # resumed run regenerates exactly; each call then runs alone on its replica.
         seeded=True,
@@ -103,6 +121,11 @@ def base_config() -> ml_collections.ConfigDict:
         weight_decay=0.0,
         batch_size=8,  # sft
         max_length=64,  # sft
+        # Sequences per forward/backward (0 = the whole batch at once): the train step
+        # accumulates gradients over micro-batches of this many sequences (a pair counts as
+        # two) and takes one optimizer step, equal to the whole batch's; the learner's other
+        # forwards (reference, recompute, values, reward model) run this many rows at a time.
+        micro_batch_size=0,
         log_every=1,
     )
     c.checkpoint = dict(every=10)
@@ -143,6 +166,18 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
 
 
+def model_options(model: ml_collections.ConfigDict, frozen: bool = False) -> dict:
+    """`load_pretrained` keyword arguments from a config's `model` section; `frozen`: a model
+    that is never trained (reference, reward) keeps its parameters in the compute dtype."""
+    return dict(
+        dtype=model.dtype,
+        param_dtype=model.dtype if frozen else model.param_dtype,
+        remat=model.remat,
+        contraction_block=model.contraction_block,
+        logprob_chunk=model.logprob_chunk,
+    )
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -161,6 +196,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _require(config.stage in STAGES, f"config.stage={config.stage!r}: must be one of {STAGES}")
     _require(
         config.model.dtype in DTYPES, f"config.model.dtype={config.model.dtype!r}: one of {DTYPES}"
+    )
+    _require(
+        config.model.param_dtype in DTYPES,
+        f"config.model.param_dtype={config.model.param_dtype!r}: one of {DTYPES}",
+    )
+    _require(
+        config.model.logprob_chunk >= 0,
+        f"config.model.logprob_chunk={config.model.logprob_chunk}: must be >= 0",
     )
     _require(
         config.model.contraction_block >= 0,
@@ -182,6 +225,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for key in ("batch_size", "max_length"):
         _require(train[key] >= 1, f"config.train.{key}={train[key]}: must be >= 1")
     _require(train.learning_rate > 0, f"config.train.learning_rate={train.learning_rate}: > 0")
+    _require(
+        train.micro_batch_size >= 0,
+        f"config.train.micro_batch_size={train.micro_batch_size}: must be >= 0",
+    )
     known = math.prod(s for s in shape if s != -1)
     _require(
         train.batch_size % known == 0 or -1 in shape,
@@ -215,6 +262,11 @@ def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
         f"config.rollout.samples_per_prompt={k}: loss {name!r} needs at least "
         f"{spec.min_samples_per_prompt}",
     )
+    items = spec.batch_items(config.rollout.prompts_per_batch, k)
+    try:
+        micro_batch_count(items, config.train.micro_batch_size, spec.sequences_per_item)
+    except ValueError as error:
+        raise ConfigError(f"{error} (loss {name!r}: {items} items per update)") from None
     _require(config.max_staleness >= 0, f"config.max_staleness={config.max_staleness}: >= 0")
     _require(config.sync_every >= 1, f"config.sync_every={config.sync_every}: >= 1")
     _require(

@@ -19,6 +19,7 @@ an exported copy. Reported (report.json, samples.jsonl, report.png in the output
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -29,7 +30,8 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxrlhf.config import ConfigError, resolve, validate
+from jaxrlhf.config import ConfigError, model_options, resolve, validate
+from jaxrlhf.distributed import broadcast, driven_streams, is_driver, shard_global, to_host
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Run dir, checkpoints/ dir or step dir.")
@@ -105,17 +107,18 @@ def in_chunks(fn, arrays: dict[str, np.ndarray]) -> np.ndarray:
     out = []
     for start in range(0, n, ROWS):
         rows = np.arange(start, start + ROWS) % n
-        out.append(np.asarray(fn({k: v[rows] for k, v in arrays.items()}))[: n - start])
+        out.append(to_host(fn({k: v[rows] for k, v in arrays.items()}))[: n - start])
     return np.concatenate(out)
 
 
-def gold_scores(path: Path, mesh, prompts, *response_sets) -> list[np.ndarray]:
-    """The gold reward model's score of each response of each set (one load of the model)."""
+def gold_scores(path: Path, mesh, options: dict, prompts, *response_sets) -> list[np.ndarray]:
+    """The gold reward model's score of each response of each set (one load of the model;
+    `options`: its `load_pretrained` keywords)."""
     import transformers
 
     from jaxrlhf.stages.reward import RewardScorer
 
-    scorer = RewardScorer(path, mesh)
+    scorer = RewardScorer(path, mesh, options)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     return [
         in_chunks(
@@ -126,17 +129,22 @@ def gold_scores(path: Path, mesh, prompts, *response_sets) -> list[np.ndarray]:
     ]
 
 
-def response_logprobs(path: Path, mesh, prompts, responses) -> list[np.ndarray]:
+def response_logprobs(path: Path, mesh, options: dict, prompts, responses) -> list[np.ndarray]:
     """Each response's per-token log-probs (EOS included) under the model at `path`."""
     import transformers
 
     from jaxrlhf.models import load_pretrained, token_logprobs
 
-    model, params = load_pretrained(path, mesh=mesh)
+    model, params = load_pretrained(path, mesh=mesh, **options)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     arrays = prompt_response_batches(tokenizer, prompts, responses)
     logp = jax.jit(lambda p, i, m: token_logprobs(model, p, i, m))
-    lp = in_chunks(lambda b: logp(params, b["input_ids"], b["attention_mask"]), arrays)
+
+    def chunk_logprobs(chunk):
+        placed = shard_global({"i": chunk["input_ids"], "m": chunk["attention_mask"]}, mesh)
+        return logp(params, placed["i"], placed["m"])
+
+    lp = in_chunks(chunk_logprobs, arrays)
     mask = arrays["loss_mask"].astype(bool)
     return [row[m] for row, m in zip(lp, mask, strict=True)]
 
@@ -159,7 +167,8 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
     config.output_dir = str(out_dir)  # a generator started here logs there
     base = resolve_model(config.model.path)
     mesh = make_mesh(tuple(config.mesh.shape))
-    model, like = load_pretrained(base, dtype=config.model.dtype, mesh=mesh)
+    frozen = model_options(config.model, frozen=True)  # the gold and SFT models, scoring only
+    model, like = load_pretrained(base, mesh=mesh, **model_options(config.model))
     params = restore_policy(step_dir, like)
     del like
     log(f"restored the policy from {step_dir}")
@@ -167,19 +176,29 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
     prompts = recipes.prompt_examples(config.task, split, config.seed)
     items = tokenize_prompts(tokenizer, prompts, config.rollout.max_prompt_tokens, split)
     max_tokens = config.eval.max_tokens or config.rollout.max_response_tokens
+    driver = is_driver()  # over several processes: the one that talks to the generators
     with tempfile.TemporaryDirectory(prefix="jaxrlhf-eval-") as tmp:
-        folder = save_pretrained(model, params, Path(tmp) / "policy", tokenizer_from=base)
-        with generator_pool(config, folder, log) as pool:
+        folder = save_pretrained(model, params, Path(tmp) / "policy", tokenizer_from=base,
+                                 write=driver)  # fmt: skip
+        pools = generator_pool(config, folder, log) if driver else contextlib.nullcontext()
+        with pools as pool:
             if config.generator.addresses:  # a running service: serve these weights on it
                 from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors
 
-                version = max(s.policy_version for s in pool.wait_until_serving()) + 1
-                specs = hf_tensor_specs(model, params)
-                pool.publish_weights(lambda: iter_hf_tensors(model, params), len(specs), version,
-                                     specs=specs)  # fmt: skip
-            samples = pool.generate(
-                [p.token_ids for p in items], dict(n=1, temperature=0.0, max_tokens=max_tokens)
-            )
+                version = None
+                if driver:
+                    version = max(s.policy_version for s in pool.wait_until_serving()) + 1
+                version, specs = broadcast(version), hf_tensor_specs(model, params)
+                driven_streams(
+                    lambda: iter_hf_tensors(model, params),
+                    lambda tensors: pool.publish_weights(tensors, len(specs), version,
+                                                         specs=specs),
+                )  # fmt: skip
+            samples = None
+            if driver:
+                greedy = dict(n=1, temperature=0.0, max_tokens=max_tokens)
+                samples = pool.generate([p.token_ids for p in items], greedy)
+            samples = broadcast(samples)
     samples = sorted(samples, key=lambda s: s.prompt_index)
     texts = [tokenizer.decode(list(s.token_ids), skip_special_tokens=True) for s in samples]
     lengths = [len(s.token_ids) for s in samples]
@@ -191,13 +210,13 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
     if config.eval.gold_reward_model:
         gold = resolve_model(config.eval.gold_reward_model)
         policy_scores, reference_scores = gold_scores(
-            gold, mesh, prompts, texts, [p.reference for p in prompts]
+            gold, mesh, frozen, prompts, texts, [p.reference for p in prompts]
         )
         kwargs.update(policy_scores=policy_scores, reference_scores=reference_scores)
         for row, a, b in zip(rows, policy_scores, reference_scores, strict=True):
             row.update(policy_score=float(a), reference_score=float(b))
     sft = resolve_model(config.eval.sft_model or config.model.path)
-    kwargs["sft_logprobs"] = response_logprobs(sft, mesh, prompts, texts)
+    kwargs["sft_logprobs"] = response_logprobs(sft, mesh, frozen, prompts, texts)
     verify = recipes.verifier(config.task)
     if verify is not None:
         kwargs["correct"] = [bool(verify(p.answer, t)) for p, t in zip(prompts, texts, strict=True)]
@@ -207,8 +226,9 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
              "max_tokens": max_tokens,
              "gold_reward_model": config.eval.gold_reward_model, "sft_model": str(sft)}  # fmt: skip
     report = build_report(**kwargs, extra=extra)
-    paths = write_report(report, rows, out_dir)
-    log(f"report: {paths['report']} (plot {paths['plot']})")
+    if driver:
+        paths = write_report(report, rows, out_dir)
+        log(f"report: {paths['report']} (plot {paths['plot']})")
     return report
 
 
@@ -235,8 +255,17 @@ def main(argv) -> None:
         / f"eval-step-{step_dir.name}{'' if _SPLIT.value == 'test' else '-' + _SPLIT.value}"
     )
 
+    if config.distributed.enabled:
+        from jaxrlhf.distributed import return_freed_host_memory
+        from jaxrlhf.sharding import initialize_distributed
+
+        d = config.distributed
+        initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
+        return_freed_host_memory()  # weight publishing keeps host memory to one tensor's
+
     def log(message: str) -> None:
-        print(f"[jaxrlhf.evaluate] {message}", flush=True)
+        if is_driver():
+            print(f"[jaxrlhf.evaluate] {message}", flush=True)
 
     report = evaluate(config, step_dir, out, log, _SPLIT.value)
     log("summary: " + json.dumps(report))

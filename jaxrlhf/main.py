@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import jax
 from absl import app, logging
 from ml_collections import config_flags
 
@@ -37,13 +38,16 @@ def main(argv) -> None:
         )
         sys.exit(2)
     if config.distributed.enabled:
+        from jaxrlhf.distributed import return_freed_host_memory
         from jaxrlhf.sharding import initialize_distributed
 
         d = config.distributed
         initialize_distributed(d.coordinator_address, d.num_processes, d.process_id)
+        return_freed_host_memory()  # weight publishing keeps host memory to one tensor's
 
     def log(message: str) -> None:
-        print(f"[jaxrlhf] {message}", flush=True)
+        if jax.process_index() == 0:  # one process speaks for a multi-process learner
+            print(f"[jaxrlhf] {message}", flush=True)
 
     log(f"stage {config.stage}; outputs in {Path(config.output_dir).resolve()}")
     if config.learner_cpus:

@@ -189,7 +189,12 @@ def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array
 def initialize_distributed(
     coordinator_address: str | None, num_processes: int | None, process_id: int | None
 ) -> None:
-    """Starts JAX's multi-controller runtime; on a cluster JAX can infer all three arguments."""
+    """Starts JAX's multi-controller runtime; on a cluster JAX can infer all three arguments.
+
+    CPU collectives go through gloo (the CPU backend has none of its own across processes);
+    accelerators keep their own (NCCL on GPUs).
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = {}
     if coordinator_address:
         kwargs = dict(

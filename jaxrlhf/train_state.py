@@ -65,6 +65,71 @@ def create_train_state(
     return TrainState(step=step, params=params, opt_state=opt_state)
 
 
+def split_micro_batches(tree: Any, count: int) -> Any:
+    """Every [B, ...] leaf -> [count, B/count, ...]; micro-batch m holds rows m, m + count, ...
+
+    Strided rather than contiguous: with the rows split over devices in blocks, every device
+    then holds its own share of every micro-batch, so no row moves between devices.
+    """
+
+    def split(x):
+        if x.shape[0] % count:
+            raise ValueError(f"a batch of {x.shape[0]} rows does not split into {count} parts")
+        return x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(split, tree)
+
+
+def merge_micro_batches(tree: Any) -> Any:
+    """The inverse of `split_micro_batches`: [count, B/count, ...] -> [B, ...]."""
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def micro_batch_count(rows: int, micro_batch_size: int, rows_per_item: int = 1) -> int:
+    """How many micro-batches a batch of `rows` items takes at `micro_batch_size` sequences per
+    forward/backward (0 = one), each item being `rows_per_item` sequences (2 for a pair)."""
+    if not micro_batch_size or rows * rows_per_item <= micro_batch_size:
+        return 1
+    items = micro_batch_size // rows_per_item
+    if items < 1 or rows % items:
+        raise ValueError(
+            f"config.train.micro_batch_size={micro_batch_size} does not divide a batch of "
+            f"{rows} items of {rows_per_item} sequence(s) into equal micro-batches"
+        )
+    return rows // items
+
+
+def forward_in_micro_batches(fn: Callable, micro_batch_size: int) -> Callable:
+    """fn(params, *arrays) over row-aligned [B, ...] arrays, `micro_batch_size` rows at a time
+    (0 = all at once): the rows are padded to a whole number of micro-batches (padding rows are
+    all-masked and dropped after), run in sequence with `lax.map`, and merged back. Jit-able;
+    for forwards only (a loss needs `build_train_step`'s weighting instead)."""
+    if not micro_batch_size:
+        return fn
+
+    def run(params, *arrays):
+        rows = arrays[0].shape[0]
+        count = -(-rows // micro_batch_size)
+        if count <= 1:
+            return fn(params, *arrays)
+        pad = count * micro_batch_size - rows
+        padded = tuple(jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) for a in arrays)
+        parts = split_micro_batches(padded, count)
+        out = merge_micro_batches(jax.lax.map(lambda part: fn(params, *part), parts))
+        return jax.tree.map(lambda x: x[:rows], out)
+
+    return run
+
+
+def _reduce_metric(name: str, total, value, weight):
+    """Micro-batch metrics: weighted like the loss, except maxima (max) and counts (sum)."""
+    if name.endswith("_max"):
+        return jnp.maximum(total, value)
+    if name.startswith("num_") or name == "weight":
+        return total + value
+    return total + weight * value
+
+
 def build_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -72,16 +137,69 @@ def build_train_step(
     shardings: TrainState,
     batch_shapes: dict[str, tuple[int, ...]],
     rules=LOGICAL_RULES,
+    micro_batches: int = 1,
+    weight_fn: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
-    """jit(step) with explicit in/out shardings; the input state is donated (updated in place)."""
+    """jit(step) with explicit in/out shardings; the input state is donated (updated in place).
+
+    With `micro_batches` > 1 the batch is split (`split_micro_batches`) and the gradients are
+    accumulated over the parts in a `lax.scan`, then one optimizer step is taken: the step of
+    the whole batch. A loss that is a mean over some unit of the batch (tokens, pairs, rows:
+    `weight_fn(part)` counts them, default rows) is a mean over the whole batch, not a mean of
+    per-part means: part m's loss and gradient are weighted by its share w_m / Σ w. Metrics
+    are weighted the same way (maxima and counts excepted).
+    """
     batch_spec = {
         name: batch_sharding(mesh, len(shape), shape[0]) for name, shape in batch_shapes.items()
     }
     replicated = NamedSharding(mesh, PartitionSpec())
 
-    def step(state: TrainState, batch: dict[str, jax.Array]):
+    def gradients(params, batch):
         with activate(mesh, rules):
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+            return jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+
+    def weight_of(part):
+        if weight_fn is not None:
+            return jnp.asarray(weight_fn(part), jnp.float32)
+        return jnp.float32(next(iter(part.values())).shape[0])
+
+    def accumulate(params, batch):
+        parts = split_micro_batches(batch, micro_batches)
+        first = jax.tree.map(lambda x: x[0], parts)
+        (_, metric_shapes), _ = jax.eval_shape(gradients, params, first)
+        init = (
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+            jnp.float32(0.0),
+            jnp.float32(0.0),
+            {k: jnp.full((), -jnp.inf if k.endswith("_max") else 0.0, jnp.float32)
+             for k in metric_shapes},
+        )  # fmt: skip
+
+        def body(carry, part):
+            grads_sum, loss_sum, weight_sum, metric_sums = carry
+            (loss, metrics), grads = gradients(params, part)
+            weight = weight_of(part)
+            grads_sum = jax.tree.map(lambda a, g: a + weight * g.astype(a.dtype), grads_sum, grads)
+            metric_sums = {
+                k: _reduce_metric(k, metric_sums[k], metrics[k].astype(jnp.float32), weight)
+                for k in metric_sums
+            }
+            return (grads_sum, loss_sum + weight * loss, weight_sum + weight, metric_sums), None
+
+        (grads_sum, loss_sum, weight_sum, metric_sums), _ = jax.lax.scan(body, init, parts)
+        scale = 1.0 / jnp.maximum(weight_sum, 1e-12)  # all-zero weights: zero loss and grads
+        grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads_sum, params)
+        metrics = {
+            k: v if k.endswith("_max") or k.startswith("num_") or k == "weight" else v * scale
+            for k, v in metric_sums.items()
+        }
+        return loss_sum * scale, metrics, grads
+
+    def step(state: TrainState, batch: dict[str, jax.Array]):
+        if micro_batches > 1:
+            loss, metrics, grads = accumulate(state.params, batch)
+        else:
+            (loss, metrics), grads = gradients(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))

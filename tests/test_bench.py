@@ -123,3 +123,27 @@ def test_gpu_learner_smoke(tiny_llama, tmp_path):
         assert (row["model"], row["dtype"], row["device"]) == (str(tiny_llama), dtype, "1x cpu")
         assert (row["batch"], row["seq"], row["cpu_contraction_block"]) == (2, 16, 0)
         assert_positive_finite(row, "step_s_median", "ratio")
+
+
+def test_plan_check():
+    # The tiny config's learner programs on one CPU device beside its plan (the CPU keeps no
+    # peak-memory statistics: the measured figure is null there, a number on a GPU).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    (row,) = run_bench([sys.executable, "bench/plan_check.py", "--config=configs/tiny.py",
+                        "--steps", "1"], env=env)  # fmt: skip
+    assert row["plan_fits"] is True and row["plan_peak_bytes"] > 0
+    assert row["programs_run"] == ["train_step", "reference_logprobs"]
+    assert row["loss_finite"] is True and row["measured_peak_bytes"] is None
+    assert_positive_finite(row, "step_s_median")
+
+
+@pytest.mark.slow
+def test_publish_memory(tiny_llama, generator_address):
+    # Two learner processes publish the shared server's own model to it, twice.
+    command = [sys.executable, "bench/publish_memory.py", "--model", str(tiny_llama),
+               "--address", generator_address, "--publishes", "2"]  # fmt: skip
+    (*rows, summary) = run_bench(command, env=dict(os.environ, XLA_FLAGS=""))
+    assert [r["process"] for r in rows] == [0, 1] and summary["devices"] == 4
+    assert summary["swapped_version"] == rows[0]["swapped_version"] > 0
+    assert all(len(r["peak_increase_bytes_each"]) == 2 for r in rows)
+    assert 0 < summary["layer_bytes"] < summary["model_bytes"]

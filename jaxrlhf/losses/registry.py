@@ -26,6 +26,19 @@ from jaxrlhf.losses.ppo import ppo_objective, prepare_ppo
 from jaxrlhf.losses.rloo import prepare_rloo, rloo_objective
 
 REFERENCE_USES = ("always", "kl", "never")
+AVERAGED_OVER = ("tokens", "pairs", "sequences")
+
+
+def _per_prompt(prompts: int, k: int) -> int:
+    return prompts
+
+
+def _per_sample(prompts: int, k: int) -> int:
+    return prompts * k
+
+
+def _all_pairs(prompts: int, k: int) -> int:
+    return prompts * k * (k - 1) // 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +56,9 @@ class LossSpec:
     importance_ratio: uses π_old in an importance ratio (the sampler's or the learner's
         recompute), so truncated importance sampling applies to it.
     pairwise: consumes pairs of responses to the same prompt rather than single responses.
+    averaged_over: the unit the loss is a mean over, which micro-batches weight their parts by
+        (`batch_weight`): "tokens" (response tokens), "pairs" (valid pairs), "sequences".
+    batch_items(prompts, k) -> the leading dimension of the prepared batch (pairs or rows).
     reference_rows(scores, k) -> row indices: the only rows whose reference log-probs the loss
         reads, of a fixed count for a given batch size (None: all rows). The reference forward
         then runs on those rows alone; the others stay NaN, so a read would show.
@@ -57,11 +73,30 @@ class LossSpec:
     needs_value_model: bool
     importance_ratio: bool
     pairwise: bool
+    averaged_over: str
+    batch_items: Callable[[int, int], int]
     reference_rows: Callable[[np.ndarray, int], np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         if self.reference not in REFERENCE_USES:
             raise ValueError(f"LossSpec {self.name!r}: reference must be one of {REFERENCE_USES}")
+        if self.averaged_over not in AVERAGED_OVER:
+            raise ValueError(
+                f"LossSpec {self.name!r}: averaged_over must be one of {AVERAGED_OVER}"
+            )
+
+    def batch_weight(self, batch) -> Any:
+        """How many of the loss's units (`averaged_over`) a prepared (micro-)batch holds."""
+        if self.averaged_over == "pairs":
+            return batch["valid"].sum()
+        if self.averaged_over == "tokens":
+            return batch["loss_mask"].sum()
+        return next(iter(batch.values())).shape[0]
+
+    @property
+    def sequences_per_item(self) -> int:
+        """Sequences one item of the prepared batch runs through the policy (a pair: 2)."""
+        return 2 if self.pairwise else 1
 
     def needs_reference(self, loss_params) -> bool:
         """Whether a run with these `config.loss_params` needs the reference log-probs."""
@@ -91,6 +126,8 @@ _SPECS = (
         reference="always",
         needs_value_model=False,
         importance_ratio=False,
+        averaged_over="pairs",
+        batch_items=_per_prompt,
         pairwise=True,
         reference_rows=pair_rows,
     ),
@@ -103,6 +140,8 @@ _SPECS = (
         reference="always",
         needs_value_model=False,
         importance_ratio=False,
+        averaged_over="pairs",
+        batch_items=_per_prompt,
         pairwise=True,
         reference_rows=pair_rows,
     ),
@@ -115,6 +154,8 @@ _SPECS = (
         reference="kl",
         needs_value_model=True,
         importance_ratio=True,
+        averaged_over="tokens",
+        batch_items=_per_sample,
         pairwise=False,
     ),
     LossSpec(
@@ -126,6 +167,8 @@ _SPECS = (
         reference="kl",
         needs_value_model=False,
         importance_ratio=True,
+        averaged_over="sequences",
+        batch_items=_per_sample,
         pairwise=False,
     ),
     LossSpec(
@@ -137,6 +180,8 @@ _SPECS = (
         reference="kl",
         needs_value_model=False,
         importance_ratio=True,
+        averaged_over="tokens",
+        batch_items=_per_sample,
         pairwise=False,
     ),
     LossSpec(
@@ -148,6 +193,8 @@ _SPECS = (
         reference="always",
         needs_value_model=False,
         importance_ratio=False,
+        averaged_over="pairs",
+        batch_items=_all_pairs,
         pairwise=True,
     ),
     LossSpec(
@@ -159,6 +206,8 @@ _SPECS = (
         reference="never",
         needs_value_model=False,
         importance_ratio=False,
+        averaged_over="tokens",
+        batch_items=_per_prompt,
         pairwise=False,
     ),
 )

@@ -17,7 +17,7 @@ from jaxrlhf.models.hf_io import (
     read_config,
     save_pretrained,
 )
-from jaxrlhf.models.logprobs import logprobs_from_logits, token_logprobs
+from jaxrlhf.models.logprobs import logprobs_from_logits, next_token_logprobs, token_logprobs
 from jaxrlhf.models.transformer import Transformer, abstract_params, init_params
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "load_pretrained",
     "logprobs_from_logits",
     "make_model",
+    "next_token_logprobs",
     "params_from_hf",
     "read_config",
     "save_pretrained",

@@ -63,6 +63,9 @@ class ModelConfig:
     # Numerics, not architecture (never written to config.json): split float32 contractions
     # into blocks of this many terms for torch-level accuracy on CPU; see layers.contract.
     contraction_block: int = 0
+    # Token log-probs (`Transformer(..., targets=...)`) computed this many positions at a
+    # time, so that no [B, T, V] float32 logits exist at once (0 = all positions together).
+    logprob_chunk: int = 0
     # The original HF config dict, kept so that export writes back every field we do not model.
     hf_config: dict[str, Any] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False

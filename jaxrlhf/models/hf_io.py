@@ -78,13 +78,22 @@ def _open_checkpoint(folder: Path) -> dict[str, SafetensorsFile]:
 
 
 def make_model(
-    config: ModelConfig, dtype: str = "float32", remat: bool = False, contraction_block: int = 0
+    config: ModelConfig,
+    dtype: str = "float32",
+    remat: bool = False,
+    contraction_block: int = 0,
+    param_dtype: str | None = None,
+    logprob_chunk: int = 0,
 ) -> Transformer:
-    """The Flax model for `config`; `contraction_block` > 0: see `layers.contract` (CPU fp32)."""
-    jdtype = jnp.dtype(numpy_dtype(dtype))
-    if contraction_block:
-        config = dataclasses.replace(config, contraction_block=contraction_block)
-    return Transformer(config, dtype=jdtype, param_dtype=jdtype, remat=remat)
+    """The Flax model for `config`, computing in `dtype` with parameters in `param_dtype`
+    (default: `dtype`); `contraction_block` > 0: see `layers.contract` (CPU fp32);
+    `logprob_chunk` > 0: see `layers.target_logprobs`."""
+    compute = jnp.dtype(numpy_dtype(dtype))
+    stored = jnp.dtype(numpy_dtype(param_dtype or dtype))
+    config = dataclasses.replace(
+        config, contraction_block=contraction_block, logprob_chunk=logprob_chunk
+    )
+    return Transformer(config, dtype=compute, param_dtype=stored, remat=remat)
 
 
 def load_pretrained(
@@ -95,8 +104,13 @@ def load_pretrained(
     remat: bool = False,
     seed: int = 0,
     contraction_block: int = 0,
+    param_dtype: str | None = None,
+    logprob_chunk: int = 0,
 ) -> tuple[Transformer, dict]:
     """Loads a Hugging Face folder (or hub name) into (model, params).
+
+    The model computes in `dtype`; its parameters are held in `param_dtype` (default: `dtype`),
+    e.g. float32 master weights for a bfloat16 policy that trains at a small learning rate.
 
     `contraction_block` > 0 splits float32 matmuls into blocks for torch-level accuracy on CPU,
     at a speed cost (see `jaxrlhf.models.layers.contract`).
@@ -111,10 +125,11 @@ def load_pretrained(
         if head == "lm":
             raise ValueError(f"{folder} holds a scalar-head model; it has no LM head to load")
         config = config.with_head(head)
-    model = make_model(config, dtype, remat, contraction_block)
+    model = make_model(config, dtype, remat, contraction_block, param_dtype, logprob_chunk)
     files = _open_checkpoint(folder)
     params = params_from_hf(
-        model, {name: functools.partial(f.get, name) for name, f in files.items()}, dtype,
+        model, {name: functools.partial(f.get, name) for name, f in files.items()},
+        param_dtype or dtype,
         mesh=mesh, seed=seed, source=str(folder),
     )  # fmt: skip
     return model, params
@@ -123,14 +138,15 @@ def load_pretrained(
 def params_from_hf(
     model: Transformer,
     tensors: Mapping[str, np.ndarray | Callable[[], np.ndarray]],
-    dtype: str = "float32",
+    dtype: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     seed: int = 0,
     source: str = "the tensors",
 ) -> dict:
     """Flax params of `model` from HF-layout tensors (name -> array, or a function reading it).
 
-    The inverse of `iter_hf_tensors`. Every tensor the model needs must be there with the exact
+    The inverse of `iter_hf_tensors`; params in `dtype` (default: the model's param_dtype).
+    Every tensor the model needs must be there with the exact
     shape, and none may be left over (ValueError naming it); a missing `score` head starts
     random (std 0.02, `seed`). With `mesh`, each parameter is placed sharded as it is made.
     """
@@ -141,7 +157,7 @@ def params_from_hf(
     shardings = None
     if mesh is not None:
         shardings = mapping.flatten(tree_shardings(unboxed, param_logical_axes(abstract), mesh))
-    np_dtype = numpy_dtype(dtype)
+    np_dtype = numpy_dtype(dtype or jnp.dtype(model.param_dtype).name)
     used: set[str] = set()
     flat_params: dict[str, Any] = {}
     for rule in mapping.bound_rules(config, list(flax_shapes)):
@@ -242,11 +258,18 @@ def save_pretrained(
     dtype: str | None = None,
     tokenizer_from: str | os.PathLike | None = None,
     max_shard_bytes: int = 4 << 30,
+    write: bool = True,
 ) -> Path:
     """Writes a Hugging Face folder (config.json + safetensors, sharded with an index when larger
     than `max_shard_bytes`) that transformers and vLLM load. `tokenizer_from` copies tokenizer and
-    generation-config files from another model folder."""
+    generation-config files from another model folder. `write=False`: only take part in
+    gathering the tensors (the other processes of a multi-process learner; one process writes).
+    """
     out = Path(path)
+    if not write:
+        for _ in iter_hf_tensors(model, params, dtype):
+            pass
+        return out
     out.mkdir(parents=True, exist_ok=True)
     specs = hf_tensor_specs(model, params, dtype)
     shards: list[list[tuple[str, tuple[int, ...], np.dtype]]] = [[]]

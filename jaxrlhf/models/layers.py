@@ -73,6 +73,54 @@ class LayerNorm(nn.Module):
         return (y * scale.astype(y.dtype) + bias.astype(y.dtype)).astype(self.dtype)
 
 
+def logprobs_from_logits(
+    logits: jax.Array, targets: jax.Array, temperature: float = 1.0
+) -> jax.Array:
+    """log softmax(logits / T)[target] = logit_t/T − logsumexp(logits/T), in float32.
+
+    logits [..., V], targets [...] int. Computed without materialising the full log-softmax.
+    """
+    scaled = logits.astype(jnp.float32) / temperature
+    target_logits = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
+    return target_logits - jax.nn.logsumexp(scaled, axis=-1)
+
+
+def target_logprobs(
+    x: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    temperature: float,
+    dtype: Dtype,
+    contraction_block: int = 0,
+    chunk: int = 0,
+) -> jax.Array:
+    """log π(targets) [B, T] from final hidden states x [B, T, E] and the LM head [E, V].
+
+    With `chunk` > 0 the positions are taken `chunk` at a time in a scan whose body is
+    rematerialised: the logits of one chunk ([B, chunk, V], float32) are the largest
+    temporary, in the forward and in the backward pass, instead of all [B, T, V] of them. The
+    values equal the unchunked ones (the same per-position computation).
+    """
+
+    def piece(x_part, target_part):
+        logits = contract(x_part, kernel, 1, dtype, contraction_block)
+        logits = constrain(logits, ("batch", "length", "act_vocab"))
+        return logprobs_from_logits(logits, target_part, temperature)
+
+    batch, length = targets.shape
+    if not chunk or chunk >= length:
+        return piece(x, targets)
+    count = -(-length // chunk)
+    pad = count * chunk - length
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    xs = x.reshape(batch, count, chunk, x.shape[-1]).swapaxes(0, 1)
+    ts = targets.reshape(batch, count, chunk).swapaxes(0, 1)
+    body = jax.checkpoint(lambda carry, part: (carry, piece(*part)))
+    _, out = jax.lax.scan(body, None, (xs, ts))
+    return out.swapaxes(0, 1).reshape(batch, count * chunk)[:, :length]
+
+
 def contract(x: jax.Array, kernel: jax.Array, n_in: int, dtype: Dtype, block: int = 0):
     """x · kernel over x's last `n_in` dims and kernel's first `n_in` dims, in `dtype`.
 

@@ -7,19 +7,28 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.models.layers import logprobs_from_logits
 from jaxrlhf.models.transformer import Transformer
 
+__all__ = ["logprobs_from_logits", "next_token_logprobs", "token_logprobs"]
 
-def logprobs_from_logits(
-    logits: jax.Array, targets: jax.Array, temperature: float = 1.0
+
+def next_token_logprobs(
+    model: Transformer,
+    params: dict,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    temperature: float = 1.0,
 ) -> jax.Array:
-    """log softmax(logits / T)[target] = logit_t/T − logsumexp(logits/T), in float32.
+    """[B, T−1] log π(input_ids[:, t+1] | input_ids[:, :t+1]) at `temperature`, unmasked.
 
-    logits [..., V], targets [...] int. Computed without materialising the full log-softmax.
+    Jit-able; computed in chunks of `model.config.logprob_chunk` positions (no [B, T, V]
+    logits at once).
     """
-    scaled = logits.astype(jnp.float32) / temperature
-    target_logits = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
-    return target_logits - jax.nn.logsumexp(scaled, axis=-1)
+    return model.apply(
+        {"params": params}, input_ids, attention_mask, targets=input_ids[:, 1:],
+        temperature=temperature,
+    )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature",))
@@ -36,6 +45,5 @@ def token_logprobs(
     token is padding are 0. Positions count real tokens only, so padding never changes the value
     for real tokens.
     """
-    logits = model.apply({"params": params}, input_ids, attention_mask)
-    logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
+    logprobs = next_token_logprobs(model, params, input_ids, attention_mask, temperature)
     return jnp.where(attention_mask[:, 1:].astype(bool), logprobs, 0.0)

@@ -23,6 +23,7 @@ from jaxrlhf.models.layers import (
     positions_from_mask,
     residual_constraint,
     rope_inv_freq,
+    target_logprobs,
 )
 from jaxrlhf.sharding import constrain
 
@@ -32,6 +33,12 @@ class Transformer(nn.Module):
 
     Args of `__call__`: input_ids [B, T] int, attention_mask [B, T] (1 = real token, 0 = padding),
     optional positions [B, T] (default: counted over real tokens, so left padding is invisible).
+    With `targets` [B, T−1] (the next tokens, input_ids[:, 1:]) an LM returns their log-probs
+    [B, T−1] at `temperature` instead of the logits, in chunks of `config.logprob_chunk`
+    positions (`layers.target_logprobs`: the full logits never exist at once).
+
+    Parameters are stored in `param_dtype` and computed with in `dtype` (mixed precision: e.g.
+    float32 master weights, bfloat16 compute).
     """
 
     config: ModelConfig
@@ -40,7 +47,7 @@ class Transformer(nn.Module):
     remat: bool = False
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, positions=None):
+    def __call__(self, input_ids, attention_mask, positions=None, targets=None, temperature=1.0):
         cfg = self.config
         if positions is None:
             positions = positions_from_mask(attention_mask)
@@ -77,7 +84,7 @@ class Transformer(nn.Module):
                 jnp.float32
             )
         if cfg.tie_word_embeddings:
-            logits = contract(x, embedding.T, 1, self.dtype, cfg.contraction_block)
+            kernel = embedding.T
         else:
             kernel = logical_param(
                 self,
@@ -86,7 +93,12 @@ class Transformer(nn.Module):
                 ("embed", "vocab"),
                 self.param_dtype,
             )
-            logits = contract(x, kernel, 1, self.dtype, cfg.contraction_block)
+        if targets is not None:
+            return target_logprobs(
+                x[:, :-1], kernel, targets, temperature, self.dtype, cfg.contraction_block,
+                cfg.logprob_chunk,
+            )  # fmt: skip
+        logits = contract(x, kernel, 1, self.dtype, cfg.contraction_block)
         return constrain(logits, ("batch", "length", "act_vocab"))
 
 

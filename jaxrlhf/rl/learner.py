@@ -20,17 +20,21 @@ import numpy as np
 import optax
 
 from jaxrlhf import losses
+from jaxrlhf.config import model_options
+from jaxrlhf.distributed import shard_global, to_host
 from jaxrlhf.losses import LossInputs
-from jaxrlhf.models import load_pretrained, logprobs_from_logits
+from jaxrlhf.models import load_pretrained, next_token_logprobs
 from jaxrlhf.rl.batch import RolloutArrays, prompt_width, rollout_arrays
 from jaxrlhf.rl.objectives import build_objective, value_estimates
 from jaxrlhf.rl.rewards import apply_eos_penalty
 from jaxrlhf.rl.rollout import Rollout, Sample
 from jaxrlhf.rl.tasks import Task
-from jaxrlhf.sharding import activate, shard_batch
+from jaxrlhf.sharding import activate
 from jaxrlhf.train_state import (
     build_train_step,
     create_train_state,
+    forward_in_micro_batches,
+    micro_batch_count,
     params_shardings,
     state_shardings,
 )
@@ -46,11 +50,7 @@ class Learner:
         self.spec = losses.get_loss_spec(cfg.loss)
         self.loss_params = cfg.loss_params
         self.policy, policy_params = load_pretrained(
-            model_path,
-            dtype=cfg.model.dtype,
-            mesh=mesh,
-            remat=cfg.model.remat,
-            contraction_block=cfg.model.contraction_block,
+            model_path, mesh=mesh, **model_options(cfg.model)
         )
         params = {"policy": policy_params}
         shardings = {"policy": params_shardings(self.policy, mesh)}
@@ -58,18 +58,15 @@ class Learner:
         if self.spec.needs_value_model:
             value_path = cfg.loss_params.value_model_path or model_path
             self.value, params["value"] = load_pretrained(
-                value_path,
-                dtype=cfg.model.dtype,
-                head="score",
-                mesh=mesh,
-                seed=cfg.seed,
-                contraction_block=cfg.model.contraction_block,
+                value_path, head="score", mesh=mesh, seed=cfg.seed, **model_options(cfg.model)
             )
             shardings["value"] = params_shardings(self.value, mesh)
         self.ref_params = None
         if self.spec.needs_reference(cfg.loss_params):
-            # The reference is the initial policy: a frozen copy on the mesh.
-            self.ref_params = jax.tree.map(jnp.copy, policy_params)
+            # The reference is the initial policy: a frozen copy on the mesh, in the compute
+            # dtype (it is never updated, so it needs no master weights).
+            compute = jnp.dtype(cfg.model.dtype)
+            self.ref_params = jax.tree.map(lambda p: p.astype(compute, copy=True), policy_params)
         # The learner's own log-probs of the sampled tokens, before the update: π_old of the
         # ratio when old_logprobs="learner" (truncated IS needs it too: the config refuses a
         # cap without it). Otherwise π_old is the sampler's, and this forward is skipped.
@@ -89,17 +86,24 @@ class Learner:
 
         def logprobs(params, input_ids, attention_mask):
             with activate(mesh):
-                logits = policy.apply({"params": params}, input_ids, attention_mask)
-                return logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature)
+                return next_token_logprobs(policy, params, input_ids, attention_mask, temperature)
 
-        self.logprobs = jax.jit(logprobs)
-        self.values = jax.jit(value_estimates(self.value)) if self.value else None
+        self.micro_batch_size = cfg.train.micro_batch_size
+        self.logprobs = jax.jit(forward_in_micro_batches(logprobs, self.micro_batch_size))
+        self.values = None
+        if self.value is not None:
+            self.values = jax.jit(
+                forward_in_micro_batches(value_estimates(self.value), self.micro_batch_size)
+            )
         self.reward = None
         if cfg.task.reward_model:
             from jaxrlhf.models.paths import resolve_model
             from jaxrlhf.stages.reward import RewardScorer
 
-            self.reward = RewardScorer(resolve_model(cfg.task.reward_model), mesh, cfg.model.dtype)
+            self.reward = RewardScorer(
+                resolve_model(cfg.task.reward_model), mesh,
+                model_options(cfg.model, frozen=True), self.micro_batch_size,
+            )  # fmt: skip
             if self.reward.model.config.vocab_size != self.policy.config.vocab_size:
                 raise ValueError(
                     f"config.task.reward_model={cfg.task.reward_model!r} has a vocabulary of "
@@ -145,19 +149,19 @@ class Learner:
         """The loss's inputs, with the forwards it needs run before the update, and the
         learner's own log-probs of the batch when they were computed (else None)."""
         mask = arrays.loss_mask
-        ids, attention = shard_batch(
+        ids, attention = shard_global(
             {"i": arrays.input_ids, "m": arrays.attention_mask}, self.mesh
         ).values()
         policy = self.state.params["policy"]
         learner_lp = None
         if self.recompute_old:
-            learner_lp = np.asarray(self.logprobs(policy, ids, attention)) * mask
+            learner_lp = to_host(self.logprobs(policy, ids, attention)) * mask
         ref_lp = None
         if self.ref_params is not None:
             ref_lp = self._reference_logprobs(arrays, scores, ids, attention)
         old_values = None
         if self.values is not None:
-            old_values = np.asarray(self.values(self.state.params["value"], ids, attention))
+            old_values = to_host(self.values(self.state.params["value"], ids, attention))
         inputs = LossInputs(
             input_ids=arrays.input_ids,
             attention_mask=arrays.attention_mask,
@@ -176,13 +180,13 @@ class Learner:
         the loss reads (`LossSpec.reference_rows`; NaN elsewhere)."""
         mask = arrays.loss_mask
         if self.spec.reference_rows is None:
-            return np.asarray(self.logprobs(self.ref_params, ids, attention)) * mask
+            return to_host(self.logprobs(self.ref_params, ids, attention)) * mask
         rows = self.spec.reference_rows(scores, self.samples_per_prompt)
-        subset = shard_batch(
+        subset = shard_global(
             {"i": arrays.input_ids[rows], "m": arrays.attention_mask[rows]}, self.mesh
         )
         out = np.full(mask.shape, np.nan, np.float32)
-        out[rows] = np.asarray(self.logprobs(self.ref_params, subset["i"], subset["m"]))
+        out[rows] = to_host(self.logprobs(self.ref_params, subset["i"], subset["m"]))
         out[rows] *= mask[rows]
         return out
 
@@ -219,11 +223,16 @@ class Learner:
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
         if shapes not in self._steps:
+            items = next(iter(batch.values())).shape[0]
             self._steps[shapes] = build_train_step(
-                self.objective.loss_fn, self._optimizer, self.mesh, self.shardings, dict(shapes)
-            )
-        self.state, metrics = self._steps[shapes](self.state, shard_batch(batch, self.mesh))
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+                self.objective.loss_fn, self._optimizer, self.mesh, self.shardings, dict(shapes),
+                micro_batches=micro_batch_count(
+                    items, self.micro_batch_size, self.spec.sequences_per_item
+                ),
+                weight_fn=self.spec.batch_weight,
+            )  # fmt: skip
+        self.state, metrics = self._steps[shapes](self.state, shard_global(batch, self.mesh))
+        return {k: float(to_host(v)) for k, v in metrics.items()}
 
 
 def behaviour_metrics(inputs: LossInputs, learner_logprobs: np.ndarray | None) -> dict[str, float]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxrlhf import losses
 from jaxrlhf.losses import LossInputs
-from jaxrlhf.models import Transformer, logprobs_from_logits
+from jaxrlhf.models import Transformer, next_token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +39,10 @@ class ModelFunctions:
     temperature: float
 
     def logprobs(self, params, batch, prefix: str = "") -> jax.Array:
-        ids = batch[prefix + "input_ids"]
-        logits = self.policy.apply(
-            {"params": params["policy"]}, ids, batch[prefix + "attention_mask"]
-        )
-        return logprobs_from_logits(logits[:, :-1], ids[:, 1:], self.temperature)
+        return next_token_logprobs(
+            self.policy, params["policy"], batch[prefix + "input_ids"],
+            batch[prefix + "attention_mask"], self.temperature,
+        )  # fmt: skip
 
     def values(self, params, batch) -> jax.Array:
         if self.value is None:

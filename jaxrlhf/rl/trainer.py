@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxrlhf.checkpointing import Checkpointer
+from jaxrlhf.distributed import broadcast, driven_streams, is_driver
 from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, save_pretrained
 from jaxrlhf.rl.generators import GeneratorPool
 from jaxrlhf.rl.learner import Learner
@@ -69,12 +71,20 @@ def prompts_for_batch_fn(task: Task, prompts_per_batch: int, seed: int):
 
 
 def evaluate_greedy(
-    pool: GeneratorPool, task: Task, prompts: list[PromptItem], max_tokens: int, learner: Learner
+    pool: GeneratorPool | None,
+    task: Task,
+    prompts: list[PromptItem],
+    max_tokens: int,
+    learner: Learner,
 ) -> np.ndarray:
     """Per-prompt scores (correctness for verifiable tasks, else reward-model reward) of greedy
-    responses to `prompts` with the weights the generator serves now."""
-    samples = pool.generate([p.token_ids for p in prompts], dict(n=1, temperature=0.0,
-                            max_tokens=max_tokens))  # fmt: skip
+    responses to `prompts` with the weights the generator serves now (the driver generates;
+    every process scores: a reward model runs on the whole mesh)."""
+    samples = None
+    if is_driver():
+        samples = pool.generate([p.token_ids for p in prompts], dict(n=1, temperature=0.0,
+                                max_tokens=max_tokens))  # fmt: skip
+    samples = broadcast(samples)
     return learner.score(
         task, [prompts[s.prompt_index] for s in samples], [s.token_ids for s in samples]
     )
@@ -85,33 +95,47 @@ def standard_error(scores: np.ndarray) -> float:
     return float(np.std(scores) / np.sqrt(len(scores))) if len(scores) else float("nan")
 
 
-def publish(learner: Learner, pool: GeneratorPool, version: int, dtype: str | None, rollback=False):
+def publish(
+    learner: Learner, pool: GeneratorPool | None, version: int, dtype: str | None, rollback=False
+):
+    """Publishes the policy as `version`; every process gathers its tensors (one at a time), the
+    driver sends them (`distributed.driven_streams`). Returns the driver's PublishStats."""
     policy_params = learner.state.params["policy"]
     specs = hf_tensor_specs(learner.policy, policy_params, dtype)
-    return pool.publish_weights(
-        lambda: iter_hf_tensors(learner.policy, policy_params, dtype), len(specs), version,
-        allow_rollback=rollback, specs=specs,
+    return driven_streams(
+        lambda: iter_hf_tensors(learner.policy, policy_params, dtype),
+        lambda tensors: pool.publish_weights(tensors, len(specs), version,
+                                             allow_rollback=rollback, specs=specs),
     )  # fmt: skip
 
 
-def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> RunResult:
-    """Runs (or resumes) the RLHF loop against already-serving generator replicas."""
+def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, log) -> RunResult:
+    """Runs (or resumes) the RLHF loop against already-serving generator replicas.
+
+    Over several processes (`jaxrlhf.distributed`) every process runs this; only the driver has
+    a `pool` (None elsewhere), runs the rollout producer and writes files.
+    """
     cfg = config
+    driver = is_driver()
     out = Path(cfg.output_dir)
     mesh = make_mesh(tuple(cfg.mesh.shape))
     learner = Learner(cfg, model_path, mesh)
+    log(f"learner mesh {dict(mesh.shape)} over {jax.process_count()} process(es)")
     k = cfg.rollout.samples_per_prompt
     learner.spec.check(k, has_value_model=learner.value is not None)
     checkpointer = Checkpointer(out / "checkpoints", cfg.checkpoint.every)
-    sync_dtype = cfg.rollout.weight_sync_dtype or None
+    sync_dtype = cfg.rollout.weight_sync_dtype or cfg.model.dtype
     # Versions are the generator's: a run starts at the version serving when it begins, and
     # step i's update publishes base_version + i + 1.
-    statuses = pool.wait_until_serving()
-    serving = max(status.policy_version for status in statuses)
-    same_start = serving == 0 and all(
-        Path(status.model).expanduser().resolve() == Path(model_path).resolve()
-        for status in statuses
-    )
+    serving = same_start = None
+    if driver:
+        statuses = pool.wait_until_serving()
+        serving = max(status.policy_version for status in statuses)
+        same_start = serving == 0 and all(
+            Path(status.model).expanduser().resolve() == Path(model_path).resolve()
+            for status in statuses
+        )
+    serving, same_start = broadcast((serving, same_start))
     start_step, base_version, version = 0, serving, serving
     pending: list[Rollout] = []
     resumed_start: dict[str, float] = {}  # evaluations before training, kept in checkpoints
@@ -133,7 +157,9 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
             # publish this run's initial ones.
             base_version = version = serving + 1
             publish(learner, pool, version, sync_dtype)
-    writer = MetricsWriter(out, cfg.total_steps, start_step, resume=start_step > 0)
+    writer = (
+        MetricsWriter(out, cfg.total_steps, start_step, resume=start_step > 0) if driver else None
+    )
     eval_tokens = cfg.rollout.max_response_tokens
     name = "accuracy" if task.verifiable else "reward"
     metric = f"eval_{name}"  # the validation split's; test_{name}: the test split's
@@ -149,7 +175,9 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
         for split in splits:
             at_start[split] = float(np.mean(evaluate(split)))
             log(f"{_SPLIT_NAMES[split]} greedy {name} before training: {at_start[split]:.3f}")
-    producer = RolloutProducer(
+    producer = None
+    if driver:
+        producer = RolloutProducer(
         pool,
         prompts_for_batch_fn(task, cfg.rollout.prompts_per_batch, cfg.seed),
         _sampling(cfg),
@@ -160,7 +188,7 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
         base_version=base_version,
         generation_seed=cfg.seed if cfg.rollout.seeded else None,
         pending=pending,
-    )
+    )  # fmt: skip
     started = time.perf_counter()
     records = []
     try:
@@ -176,7 +204,8 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
                 if due and split in splits:
                     key = metric if split == "eval" else f"test_{name}"
                     record[key] = float(np.mean(evaluate(split)))
-            writer.write(step + 1, record)
+            if writer is not None:
+                writer.write(step + 1, record)
             records.append({"step": step + 1, **record})
             if last or checkpointer.due(step + 1):
                 meta = {
@@ -186,14 +215,15 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
                     "seed": cfg.seed,
                     "evaluated_at_start": at_start,
                     # Batches generated on older weights and not trained on yet (async mode).
-                    "pending_rollouts": [] if last else [
+                    "pending_rollouts": [] if last or not driver else [
                         r.to_json() for r in producer.snapshot(version)
                     ],
                 }  # fmt: skip
                 checkpointer.save(step + 1, learner.state, meta, force=True)
     finally:
-        producer.close()
-        writer.close()
+        if driver:
+            producer.close()
+            writer.close()
         checkpointer.close()
     summary = {
         "steps": cfg.total_steps,
@@ -215,7 +245,7 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
         for key in ("reward_mean", "kl", "staleness_mean"):
             if all(key in r for r in tail):
                 summary[f"{key}_last5"] = float(np.mean([r[key] for r in tail]))
-    if records:
+    if records and driver:
         from jaxrlhf.report import plot_training
 
         points = []
@@ -227,9 +257,11 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool, log) -> 
                                             eval_points=points, x="time"))  # fmt: skip
     if cfg.export:
         folder = save_pretrained(learner.policy, learner.state.params["policy"],
-                                 out / "hf_export", tokenizer_from=model_path)  # fmt: skip
+                                 out / "hf_export", tokenizer_from=model_path,
+                                 write=driver)  # fmt: skip
         summary["export_dir"] = str(folder)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if driver:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return RunResult(summary, records)
 
 
@@ -238,17 +270,20 @@ def train_one_step(
 ) -> dict[str, Any]:
     """One update of the loop: wait for the next batch, learn from it, publish when due."""
     t0 = time.perf_counter()
-    rollout = producer.next()
+    rollout = broadcast(producer.next() if producer is not None else None)
     wait_s = time.perf_counter() - t0
     learned = learner.learn(rollout, task)
     version += 1
     sync_s = 0.0
     updates = version - base_version
     if updates % cfg.sync_every == 0 or updates == cfg.total_steps:
-        producer.wait_admitted()
+        if producer is not None:
+            producer.wait_admitted()
+        published = time.perf_counter()
         stats = publish(learner, pool, version, sync_dtype)
-        producer.publish(version)
-        sync_s = stats.seconds
+        if producer is not None:
+            producer.publish(version)
+        sync_s = stats.seconds if stats is not None else time.perf_counter() - published
     staleness = (version - 1) - np.array([s.policy_version for s in rollout.samples])
     return {
         "policy_version": version,

@@ -17,10 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.config import model_options
 from jaxrlhf.data import recipes
+from jaxrlhf.distributed import is_driver, shard_global, to_host
 from jaxrlhf.models import load_pretrained, save_pretrained
-from jaxrlhf.sharding import activate, make_mesh, shard_batch
+from jaxrlhf.sharding import activate, make_mesh
 from jaxrlhf.stages.supervised import prompt_response_arrays, train_supervised
+from jaxrlhf.train_state import forward_in_micro_batches
 
 
 def last_token_scores(scores: jax.Array, attention_mask: jax.Array) -> jax.Array:
@@ -31,11 +34,13 @@ def last_token_scores(scores: jax.Array, attention_mask: jax.Array) -> jax.Array
 
 
 def bradley_terry_loss(model):
-    """loss_fn(params, batch) over rows [chosen_0, rejected_0, chosen_1, rejected_1, ...]."""
+    """loss_fn(params, batch) over pairs: arrays [pairs, 2, T], each pair's chosen then rejected."""
 
     def loss_fn(params, batch):
-        mask = batch["attention_mask"]
-        scores = model.apply({"params": params}, batch["input_ids"], mask)
+        ids, mask = (
+            batch[k].reshape(-1, batch[k].shape[-1]) for k in ("input_ids", "attention_mask")
+        )
+        scores = model.apply({"params": params}, ids, mask)
         rewards = last_token_scores(scores, mask).reshape(-1, 2)
         margin = rewards[:, 0] - rewards[:, 1]
         loss = -jnp.mean(jax.nn.log_sigmoid(margin))
@@ -65,9 +70,13 @@ def build_pairs(tokenizer, pairs, max_length: int) -> dict[str, np.ndarray]:
 class RewardScorer:
     """A reward model on a mesh: scores [prompt | response] rows at their last real token."""
 
-    def __init__(self, path: str | Path, mesh, dtype: str = "float32"):
+    def __init__(
+        self, path: str | Path, mesh, options: dict | None = None, micro_batch_size: int = 0
+    ):
+        """`options`: `load_pretrained` keywords (`config.model_options(..., frozen=True)`);
+        `micro_batch_size` rows scored at a time (0 = all)."""
         self.mesh = mesh
-        self.model, self.params = load_pretrained(path, dtype=dtype, head="score", mesh=mesh)
+        self.model, self.params = load_pretrained(path, head="score", mesh=mesh, **(options or {}))
         model = self.model
 
         def score(params, input_ids, attention_mask):
@@ -75,11 +84,11 @@ class RewardScorer:
                 scores = model.apply({"params": params}, input_ids, attention_mask)
                 return last_token_scores(scores, attention_mask)
 
-        self._score = jax.jit(score)
+        self._score = jax.jit(forward_in_micro_batches(score, micro_batch_size))
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        batch = shard_batch({"i": input_ids, "m": attention_mask}, self.mesh)
-        return np.asarray(self._score(self.params, batch["i"], batch["m"]), np.float32)
+        batch = shard_global({"i": input_ids, "m": attention_mask}, self.mesh)
+        return to_host(self._score(self.params, batch["i"], batch["m"])).astype(np.float32)
 
 
 def run(config, model_path: Path, log) -> dict:
@@ -89,13 +98,7 @@ def run(config, model_path: Path, log) -> dict:
     out = Path(config.output_dir)
     mesh = make_mesh(tuple(config.mesh.shape))
     model, params = load_pretrained(
-        model_path,
-        dtype=config.model.dtype,
-        head="score",
-        mesh=mesh,
-        remat=config.model.remat,
-        seed=config.seed,
-        contraction_block=config.model.contraction_block,
+        model_path, head="score", mesh=mesh, seed=config.seed, **model_options(config.model)
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     length = config.train.max_length
@@ -109,8 +112,10 @@ def run(config, model_path: Path, log) -> dict:
     )  # fmt: skip
     summary = {"stage": "reward", **summary}
     if config.export:
-        folder = save_pretrained(model, state.params, out / "hf_export", tokenizer_from=model_path)
+        folder = save_pretrained(model, state.params, out / "hf_export",
+                                 tokenizer_from=model_path, write=is_driver())  # fmt: skip
         summary["export_dir"] = str(folder)
         log(f"exported a Hugging Face folder (score head): {folder}")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if is_driver():
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

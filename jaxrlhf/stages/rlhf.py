@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+from jaxrlhf.distributed import is_driver
 from jaxrlhf.rl.generators import GeneratorPool
 from jaxrlhf.rl.service import start_server
 from jaxrlhf.rl.tasks import build_task
@@ -49,13 +50,17 @@ def run(config, model_path: Path, log) -> dict:
     started = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     task = build_task(config, tokenizer, test=config.eval.test)
-    with generator_pool(config, model_path, log) as pool:
-        result = run_rlhf(config, model_path, task, pool, log)
+    if is_driver():  # the only process that talks to the generators (jaxrlhf.distributed)
+        with generator_pool(config, model_path, log) as pool:
+            result = run_rlhf(config, model_path, task, pool, log)
+    else:
+        result = run_rlhf(config, model_path, task, None, log)
     summary = {**result.summary, "total_seconds": time.perf_counter() - started}
     out = Path(config.output_dir)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    for line in summary_lines(summary, out):
-        log(line)
+    if is_driver():
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        for line in summary_lines(summary, out):
+            log(line)
     return summary
 
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
+
+from jaxrlhf.config import model_options
 from jaxrlhf.data import recipes
-from jaxrlhf.models import load_pretrained, logprobs_from_logits, save_pretrained
+from jaxrlhf.distributed import is_driver
+from jaxrlhf.models import load_pretrained, next_token_logprobs, save_pretrained
 from jaxrlhf.sharding import make_mesh
 from jaxrlhf.stages.supervised import prompt_response_arrays, train_supervised
 
@@ -21,10 +25,9 @@ def nll_loss(model):
     """loss_fn(params, batch) for `build_train_step`: mean NLL over loss-masked tokens."""
 
     def loss_fn(params, batch):
-        logits = model.apply({"params": params}, batch["input_ids"], batch["attention_mask"])
-        logp = logprobs_from_logits(logits[:, :-1], batch["input_ids"][:, 1:])
+        logp = next_token_logprobs(model, params, batch["input_ids"], batch["attention_mask"])
         mask = batch["loss_mask"]
-        loss = -(logp * mask).sum() / mask.sum()
+        loss = -(logp * mask).sum() / jnp.maximum(mask.sum(), 1)
         return loss, {"weight": mask.sum()}
 
     return loss_fn
@@ -47,13 +50,7 @@ def run(config, model_path: Path, log) -> dict:
 
     out = Path(config.output_dir)
     mesh = make_mesh(tuple(config.mesh.shape))
-    model, params = load_pretrained(
-        model_path,
-        dtype=config.model.dtype,
-        mesh=mesh,
-        remat=config.model.remat,
-        contraction_block=config.model.contraction_block,
-    )
+    model, params = load_pretrained(model_path, mesh=mesh, **model_options(config.model))
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     length = config.train.max_length
     train = build_examples(
@@ -65,14 +62,17 @@ def run(config, model_path: Path, log) -> dict:
     log(f"SFT on {len(train['input_ids'])} examples ({config.task.name}), "
         f"{len(held_out['input_ids'])} held out")  # fmt: skip
     state, summary = train_supervised(
-        config, model, params, nll_loss(model), train, held_out, mesh, log
-    )
+        config, model, params, nll_loss(model), train, held_out, mesh, log,
+        weight_fn=lambda part: part["loss_mask"].sum(),  # the loss is a mean over tokens
+    )  # fmt: skip
     summary = {"stage": "sft", **summary}
     summary["eval_nll_start"], summary["eval_nll_end"] = (
         summary.pop("eval_loss_start"), summary.pop("eval_loss_end"))  # fmt: skip
     if config.export:
-        folder = save_pretrained(model, state.params, out / "hf_export", tokenizer_from=model_path)
+        folder = save_pretrained(model, state.params, out / "hf_export",
+                                 tokenizer_from=model_path, write=is_driver())  # fmt: skip
         summary["export_dir"] = str(folder)
         log(f"exported a Hugging Face folder: {folder}")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if is_driver():
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -8,6 +8,7 @@ batch depends only on (seed, i) and a resumed run continues exactly. Orbax check
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,11 +19,12 @@ import numpy as np
 import optax
 
 from jaxrlhf.checkpointing import Checkpointer
-from jaxrlhf.sharding import shard_batch
+from jaxrlhf.distributed import is_driver, shard_global, to_host
 from jaxrlhf.tokenization import concat_prompt_response, left_pad, right_pad
 from jaxrlhf.train_state import (
     build_train_step,
     create_train_state,
+    micro_batch_count,
     params_shardings,
     state_shardings,
 )
@@ -64,7 +66,8 @@ def evaluate(eval_fn, params, arrays: Arrays, batch_size: int, mesh) -> dict[str
     rows = len(next(iter(arrays.values())))
     for start in range(0, rows, batch_size):
         chunk = {k: v[start : start + batch_size] for k, v in arrays.items()}
-        loss, metrics = jax.device_get(eval_fn(params, shard_batch(chunk, mesh)))
+        loss, metrics = eval_fn(params, shard_global(chunk, mesh))
+        loss, metrics = to_host(loss), {k: to_host(v) for k, v in metrics.items()}
         weight = float(metrics.pop("weight"))
         for key, value in {"loss": loss, **metrics}.items():
             totals[key] = totals.get(key, 0.0) + float(value) * weight
@@ -82,11 +85,15 @@ def train_supervised(
     mesh,
     log,
     rows_per_example: int = 1,
+    weight_fn: Callable | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Runs `config.total_steps` steps of `loss_fn` (metrics must include "weight").
+    """Runs `config.total_steps` steps of `loss_fn` (metrics must include "weight": the count
+    of what the loss is a mean over, which weights micro-batches and evaluation chunks).
 
-    `rows_per_example` > 1 keeps groups of rows together (the reward model's chosen/rejected
-    pairs are stored as [examples, 2, T] and flattened per batch).
+    Arrays hold one example per leading index; an example may be several sequences
+    (`rows_per_example`: the reward model's chosen/rejected pairs are [examples, 2, T]), which
+    `config.train.micro_batch_size` (sequences per forward/backward) counts. `weight_fn(part)`
+    gives that count for a micro-batch (default: its examples).
     Returns (final state, summary with held-out metrics before and after).
     """
     out = Path(config.output_dir)
@@ -100,34 +107,35 @@ def train_supervised(
     state = create_train_state(params, optimizer, shardings)
     bs = config.train.batch_size
 
-    def flat(arrays: Arrays) -> Arrays:
-        return {k: v.reshape(-1, *v.shape[2:]) if rows_per_example > 1 else v
-                for k, v in arrays.items()}  # fmt: skip
-
-    skip = 2 if rows_per_example > 1 else 1
-    shapes = {k: (bs * rows_per_example, *v.shape[skip:]) for k, v in train.items()}
-    step_fn = build_train_step(loss_fn, optimizer, mesh, shardings, shapes)
+    shapes = {k: (bs, *v.shape[1:]) for k, v in train.items()}
+    micro_batches = micro_batch_count(bs, config.train.micro_batch_size, rows_per_example)
+    step_fn = build_train_step(
+        loss_fn, optimizer, mesh, shardings, shapes, micro_batches=micro_batches,
+        weight_fn=weight_fn,
+    )  # fmt: skip
     eval_fn = jax.jit(loss_fn)
+    eval_rows = bs // micro_batches
     checkpointer = Checkpointer(out / "checkpoints", config.checkpoint.every)
     start_step, eval_start = 0, None
     if config.resume and checkpointer.latest_step() is not None:
         state, meta = checkpointer.restore(None, state)
         start_step, eval_start = meta["step"], meta["eval_start"]
         log(f"resumed from step {start_step}")
-    held_out_flat = flat(held_out)
     if eval_start is None:
-        eval_start = evaluate(eval_fn, state.params, held_out_flat, bs * rows_per_example, mesh)
+        eval_start = evaluate(eval_fn, state.params, held_out, eval_rows, mesh)
         log(f"mesh {dict(mesh.shape)}; held-out before training: {_fmt(eval_start)}")
     num_rows = len(next(iter(train.values())))
+    # One process writes the metrics (the others discard theirs: the same figures).
+    metrics_path = out / "metrics.jsonl" if is_driver() else Path(os.devnull)
     mode = "a" if start_step else "w"
     try:
-        with open(out / "metrics.jsonl", mode) as metrics_file:
+        with open(metrics_path, mode) as metrics_file:
             for step in range(start_step, config.total_steps):
                 rows = batch_rows(num_rows, bs, step, config.seed)
-                batch = shard_batch(flat({k: v[rows] for k, v in train.items()}), mesh)
+                batch = shard_global({k: v[rows] for k, v in train.items()}, mesh)
                 t0 = time.time()
                 state, metrics = step_fn(state, batch)
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                metrics = {k: float(to_host(v)) for k, v in metrics.items()}
                 record = {"step": step + 1, **metrics, "step_seconds": time.time() - t0}
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
@@ -139,7 +147,7 @@ def train_supervised(
                     checkpointer.save(step + 1, state, meta, force=True)
     finally:
         checkpointer.close()
-    eval_end = evaluate(eval_fn, state.params, held_out_flat, bs * rows_per_example, mesh)
+    eval_end = evaluate(eval_fn, state.params, held_out, eval_rows, mesh)
     log(f"held-out after training: {_fmt(eval_end)}")
     summary = {
         "steps": config.total_steps,

@@ -159,3 +159,30 @@ def test_bad_checkpoint_errors_name_the_problem(tmp_path):
     bad = save_pretrained(model, params, tmp_path / "bad")
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight has shape"):
         load_pretrained(bad)
+
+
+@pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])
+def test_bfloat16_forward_matches_transformers_bfloat16(param_dtype):
+    """bfloat16 compute (on bfloat16 or float32 master weights) against transformers' bfloat16
+    model: within bfloat16's own tolerance, the gap between transformers bf16 and fp32."""
+    path = tiny_model("llama")
+    model, params = load_pretrained(path, dtype="bfloat16", param_dtype=param_dtype)
+    ids, mask = padded_batch(model.config.vocab_size)
+    ours = np.asarray(model.apply({"params": params}, ids, mask), np.float32)
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref16 = _bf16_logits(hf16, ids, mask)
+    ref32 = hf_forward(hf32, ids, mask)
+    real = mask.astype(bool)
+    bf16_noise = np.abs(ref16 - ref32)[real].max()  # transformers' own bf16 error
+    assert bf16_noise > 1e-3  # bfloat16 rounding is visible at this scale
+    assert np.abs(ours - ref16)[real].max() <= 2 * bf16_noise
+    assert np.abs(ours - ref32)[real].mean() <= 2 * np.abs(ref16 - ref32)[real].mean()
+
+
+def _bf16_logits(model, ids, mask):
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                    position_ids=torch.tensor(positions))  # fmt: skip
+    return out.logits.float().numpy()

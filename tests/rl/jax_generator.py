@@ -109,10 +109,9 @@ class JaxGenerator:
         for row, prompt in enumerate(rows):
             ids[row, width - len(prompt) : width] = prompt
             mask[row, width - len(prompt) : width] = 1
-        ids, mask, logprobs = jax.device_get(
-            _sample(self.model, params, ids, mask, key, steps,
-                    float(sampling.get("temperature", 1.0)), self.eos_id)  # fmt: skip
-        )
+        temperature = float(sampling.get("temperature", 1.0))
+        sampled = _sample(self.model, params, ids, mask, key, steps, temperature, self.eos_id)
+        ids, mask, logprobs = jax.device_get(sampled)
         samples = []
         for row in range(len(rows)):
             length = int(mask[row, width:].sum())

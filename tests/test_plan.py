@@ -1,0 +1,76 @@
+"""`python -m jaxrlhf.plan`: the memory plan of every recipe stage, from abstract shapes.
+
+The paper's configs must fit the hardware their docstrings name (8 x 80 GB for No Robots'
+Llama 3.1 8B, one 80 GB GPU for TL;DR's Pythia 1B and GSM8k's Rho-1B), and the plan must be
+able to say no: the No Robots step without micro-batches and chunked log-probs (the whole
+512 x 2048-token batch and its [rows, T, 128k] logits at once) does not fit.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import gsm8k, nobots, tldr
+from jaxrlhf.config import resolve, validate
+from jaxrlhf.plan import GIB, plan
+from tests.conftest import REPO
+
+RECIPE_STAGES = [(module, stage) for module in (tldr, nobots) for stage in ("sft", "reward", "")]
+RECIPE_STAGES += [(gsm8k, "sft"), (gsm8k, "")]
+
+
+def run_plan(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    result = subprocess.run([sys.executable, "-m", "jaxrlhf.plan", *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.splitlines()
+
+
+def test_cli_prints_the_plan_and_a_json_last_line():
+    lines = run_plan("--config=configs/tiny.py")
+    result = json.loads(lines[-1])
+    assert result["devices"] == 1 and result["device_memory_bytes"] == 24 * GIB  # config.hardware
+    sizes = result["per_device_bytes"]
+    assert {"parameters", "optimizer_state", "train_step_temporaries", "total"} <= set(sizes)
+    assert sizes["optimizer_state"] == pytest.approx(2 * sizes["parameters"], rel=0.01)  # Adam
+    assert result["fits"] is True and set(result["programs"]) == {
+        "train_step",
+        "reference_logprobs",
+    }
+    assert any("peak (train_step)" in line for line in lines)
+    tiny_memory = json.loads(run_plan("--config=configs/tiny.py", "--device_memory_gib=0.001",
+                                      "--devices=2")[-1])  # fmt: skip
+    assert tiny_memory["fits"] is False and tiny_memory["devices"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("module", "stage"),
+    RECIPE_STAGES,
+    ids=[f"{m.__name__.split('.')[-1]}:{s or 'rlhf'}" for m, s in RECIPE_STAGES],
+)
+def test_recipe_stage_fits_its_hardware(module, stage):
+    config = module.get_config(stage)
+    validate(resolve(config))
+    hardware = config.hardware
+    result = plan(config, hardware.devices, int(hardware.device_memory_gib * GIB))
+    assert result["fits"], result["per_device_bytes"]
+    # The optimizer state is Adam's two float32 moments of float32 master weights.
+    sizes = result["per_device_bytes"]
+    assert sizes["optimizer_state"] == pytest.approx(2 * sizes["parameters"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_nobots_with_the_whole_batch_in_one_step_does_not_fit():
+    whole = 2 * nobots.get_config().rollout.prompts_per_batch  # 256 pairs: 512 sequences
+    result = json.loads(run_plan("--config=configs/nobots.py",
+                                 f"--config.train.micro_batch_size={whole}")[-1])  # fmt: skip
+    assert result["micro_batches"] == 1 and not result["fits"]
+    config = nobots.get_config()
+    config.train.micro_batch_size = 0
+    config.model.logprob_chunk = 0  # and the full [rows, T, vocab] logits too: ~3x over
+    assert plan(config, 8, 80 * GIB)["per_device_bytes"]["total"] > 2 * 80 * GIB

@@ -1,0 +1,236 @@
+"""What lets a large config fit: micro-batches, chunked log-probs and mixed precision.
+
+- A train step over micro-batches equals the whole-batch step for every loss (the loss is a
+  mean over the whole batch's tokens / pairs / rows, not a mean of micro-batch means), also
+  when a micro-batch has nothing to learn from; so do the SFT and reward-model steps.
+- Forwards in micro-batches (with padding rows) equal the whole-batch forward.
+- Token log-probs in chunks of positions equal the unchunked ones, values and gradients.
+- float32 master weights with bfloat16 compute keep an update at lr 8e-7 that bfloat16
+  parameters round away.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrlhf.config import base_config
+from jaxrlhf.losses import LOSSES
+from jaxrlhf.models import load_pretrained, next_token_logprobs
+from jaxrlhf.rl.objectives import build_objective
+from jaxrlhf.sharding import make_mesh, shard_batch
+from jaxrlhf.stages.reward import bradley_terry_loss
+from jaxrlhf.stages.sft import nll_loss
+from jaxrlhf.train_state import (
+    build_train_step,
+    create_train_state,
+    forward_in_micro_batches,
+    params_shardings,
+    state_shardings,
+)
+from tests.conftest import tiny_model
+from tests.losses.table_model import make_inputs
+
+# Eight samples (2 prompts x 4), no two equal within a prompt except where a test wants a tie.
+SCORES = [1.0, 0.0, 0.5, 0.2, 0.3, 0.9, 0.1, 0.6]
+
+
+def one_step(loss_fn, params, shardings_of, batch, micro_batches, weight_fn=None):
+    """(loss, params after one SGD step) on one CPU device."""
+    mesh = make_mesh((1, 1, 1), jax.devices()[:1])
+    params = jax.tree.map(jnp.copy, params)  # the step donates (deletes) its input state
+    optimizer = optax.sgd(0.5)
+    shardings = state_shardings(shardings_of(mesh), optimizer, params, mesh)
+    state = create_train_state(params, optimizer, shardings)
+    shapes = {k: v.shape for k, v in batch.items()}
+    step = build_train_step(loss_fn, optimizer, mesh, shardings, shapes,
+                            micro_batches=micro_batches, weight_fn=weight_fn)  # fmt: skip
+    state, metrics = step(state, shard_batch(batch, mesh))
+    return float(metrics["loss"]), jax.device_get(state.params), jax.device_get(metrics)
+
+
+def assert_same_step(before, whole, micro):
+    """Equal losses and equal updates, up to float32 summation order (relative to the largest
+    element of the update: the parts are summed in another order than the whole)."""
+    assert micro[0] == pytest.approx(whole[0], rel=1e-5, abs=1e-6)
+    leaves = zip(jax.tree.leaves(before), jax.tree.leaves(whole[1]), jax.tree.leaves(micro[1]),
+                 strict=True)  # fmt: skip
+    for start, a, b in leaves:
+        update_whole, update_micro = np.asarray(a) - start, np.asarray(b) - start
+        # (plus the rounding of the parameters themselves, which the update is added to)
+        tolerance = 1e-4 * np.abs(update_whole).max() + 4e-7 * np.abs(start).max()
+        np.testing.assert_allclose(update_micro, update_whole, rtol=0, atol=tolerance)
+
+
+@pytest.fixture(scope="module")
+def models():
+    path = tiny_model("llama")
+    policy, policy_params = load_pretrained(path)
+    value, value_params = load_pretrained(path, head="score", seed=1)
+    return path, policy, value, {"policy": policy_params, "value": value_params}
+
+
+@pytest.mark.parametrize(
+    "name, tie", [(name, False) for name in sorted(LOSSES)] + [("online_dpo", True), ("copg", True)]
+)
+def test_micro_batched_step_equals_the_whole_batch_step(name, tie, models):
+    path, policy, value, params = models
+    spec = LOSSES[name]
+    cfg = base_config().loss_params
+    cfg.kl_coef = 0.05
+    scores = list(SCORES)
+    if tie:  # the second prompt's samples all score alike: nothing to learn from it
+        scores[4:] = [0.5] * 4
+    objective = build_objective(name, policy, value if spec.needs_value_model else None, cfg, 0.7)
+    batch = objective.prepare(on_policy_inputs(policy, params["policy"], scores))
+    if not spec.needs_value_model:
+        params = {"policy": params["policy"]}
+
+    def shardings_of(mesh):
+        out = {"policy": params_shardings(policy, mesh)}
+        if "value" in params:
+            out["value"] = params_shardings(value, mesh)
+        return out
+
+    items = next(iter(batch.values())).shape[0]
+    whole = one_step(objective.loss_fn, params, shardings_of, batch, 1, spec.batch_weight)
+    micro = one_step(objective.loss_fn, params, shardings_of, batch, items, spec.batch_weight)
+    assert_same_step(params, whole, micro)
+    if tie and spec.pairwise and name != "copg":
+        assert float(batch["valid"].sum()) == 1.0  # one micro-batch of weight 0 in there
+    # The step did change the policy (the equality is not that of two no-ops).
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), params, whole[1]))
+    assert max(moved) > 1e-6
+
+
+def on_policy_inputs(policy, params, scores):
+    """The hand-made rollout with the tiny policy's own log-probs as π_old (ratios start at 1,
+    unclipped) and a reference a little off it."""
+    inputs = make_inputs(scores, 4)
+    mask = inputs.loss_mask
+    own = np.asarray(next_token_logprobs(policy, params, inputs.input_ids,
+                                         inputs.attention_mask, 0.7)) * mask  # fmt: skip
+    noise = np.random.default_rng(4).normal(0.0, 0.2, mask.shape).astype(np.float32) * mask
+    inputs.old_logprobs = inputs.sampler_logprobs = own
+    inputs.ref_logprobs = own + noise
+    return inputs
+
+
+def test_micro_batched_supervised_steps_equal_whole_batch(models):
+    path, policy, _, params = models
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 300, (8, 12)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[::3, :4] = 0
+    loss_mask = np.zeros((8, 11), np.float32)
+    loss_mask[:, 6:] = 1.0
+    loss_mask[1, 6:10] = 0.0  # rows of different token counts: the weighting matters
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
+
+    def policy_shardings(mesh):
+        return params_shardings(policy, mesh)
+
+    tokens = lambda part: part["loss_mask"].sum()  # noqa: E731
+    sft = nll_loss(policy)
+    assert_same_step(
+        params["policy"],
+        one_step(sft, params["policy"], policy_shardings, batch, 1, tokens),
+        one_step(sft, params["policy"], policy_shardings, batch, 4, tokens),
+    )
+    reward_model, reward_params = load_pretrained(path, head="score")
+    pairs = {k: batch[k].reshape(4, 2, -1) for k in ("input_ids", "attention_mask")}
+    bradley_terry = bradley_terry_loss(reward_model)
+
+    def reward_shardings(mesh):
+        return params_shardings(reward_model, mesh)
+
+    assert_same_step(
+        reward_params,
+        one_step(bradley_terry, reward_params, reward_shardings, pairs, 1),
+        one_step(bradley_terry, reward_params, reward_shardings, pairs, 2),
+    )
+
+
+def test_forward_in_micro_batches_with_padding_rows(models):
+    _, policy, _, params = models
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, 300, (5, 10)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[2, :3] = 0
+
+    def forward(p, i, m):
+        return next_token_logprobs(policy, p, i, m, 0.7)
+
+    whole = jax.jit(forward)(params["policy"], ids, mask)
+    parts = jax.jit(forward_in_micro_batches(forward, 2))(params["policy"], ids, mask)
+    assert parts.shape == (5, 9)
+    np.testing.assert_allclose(parts, whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])  # tied and untied LM heads
+def test_chunked_logprobs_equal_unchunked(arch):
+    path = tiny_model(arch)
+    whole_model, params = load_pretrained(path)
+    chunked_model, _ = load_pretrained(path, logprob_chunk=5)  # 5 does not divide 15
+    rng = np.random.default_rng(2)
+    ids = rng.integers(3, 300, (3, 16)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[0, :4] = 0
+
+    def total(model, p):
+        return (next_token_logprobs(model, p, ids, mask, 0.7) * mask[:, 1:]).sum()
+
+    for model in (whole_model, chunked_model):
+        assert model.config.logprob_chunk in (0, 5)
+    whole = next_token_logprobs(whole_model, params, ids, mask, 0.7)
+    chunked = next_token_logprobs(chunked_model, params, ids, mask, 0.7)
+    assert chunked.shape == whole.shape == (3, 15)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
+    grad_whole = jax.grad(lambda p: total(whole_model, p))(params)
+    grad_chunked = jax.grad(lambda p: total(chunked_model, p))(params)
+    for a, b in zip(jax.tree.leaves(grad_whole), jax.tree.leaves(grad_chunked), strict=True):
+        # (the head's gradient sums over positions in another order: float32 rounding)
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max())
+
+
+def test_float32_master_weights_keep_small_updates():
+    path = tiny_model("llama")
+    mixed, mixed_params = load_pretrained(path, dtype="bfloat16", param_dtype="float32")
+    pure, pure_params = load_pretrained(path, dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(mixed_params)} == {jnp.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(pure_params)} == {jnp.dtype("bfloat16")}
+    ids = np.random.default_rng(3).integers(3, 300, (2, 12)).astype(np.int32)
+    mask = np.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask[:, 1:].astype(np.float32)}
+    changed = {}
+    for name, model, params in (("mixed", mixed, mixed_params), ("pure", pure, pure_params)):
+        _, after, _ = one_step_adam(nll_loss(model), model, params, batch, 8e-7)
+        kernel = "layers", "mlp", "up_proj", "kernel"
+        before_leaf, after_leaf = params, after
+        for key in kernel:
+            before_leaf, after_leaf = before_leaf[key], after_leaf[key]
+        changed[name] = float(np.mean(np.asarray(after_leaf, np.float32)
+                                      != np.asarray(before_leaf, np.float32)))  # fmt: skip
+    # Adam moves every weight by ~lr: float32 keeps it, bfloat16 (8 bits) rounds it away.
+    assert changed["mixed"] > 0.9 and changed["pure"] < 0.01, changed
+    # The forward computes in bfloat16 either way: the logits agree with float32 loosely.
+    full, full_params = load_pretrained(path)
+    logits32 = full.apply({"params": full_params}, ids, mask)
+    logits16 = mixed.apply({"params": mixed_params}, ids, mask)
+    assert logits16.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(logits16, np.float32) - np.asarray(logits32)).max() < 0.1
+
+
+def one_step_adam(loss_fn, model, params, batch, learning_rate):
+    mesh = make_mesh((1, 1, 1), jax.devices()[:1])
+    params = jax.tree.map(jnp.copy, params)  # the step donates (deletes) its input state
+    optimizer = optax.adam(learning_rate)
+    shardings = state_shardings(params_shardings(model, mesh), optimizer, params, mesh)
+    state = create_train_state(params, optimizer, shardings)
+    step = build_train_step(loss_fn, optimizer, mesh, shardings,
+                            {k: v.shape for k, v in batch.items()})  # fmt: skip
+    state, metrics = step(state, shard_batch(batch, mesh))
+    return float(metrics["loss"]), jax.device_get(state.params), metrics
