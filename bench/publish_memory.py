@@ -87,7 +87,7 @@ def worker(args) -> None:
     return_freed_host_memory()  # as jaxrlhf.main does for a multi-process learner
     from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, load_pretrained
     from jaxrlhf.models.mapping import flatten
-    from jaxrlhf.rl.generators import GeneratorPool
+    from jaxrlhf.rl.pool import GeneratorPool
     from jaxrlhf.sharding import make_mesh
 
     mesh = make_mesh((1, -1, 1))

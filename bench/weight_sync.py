@@ -83,7 +83,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, load_pretrained
-    from jaxrlhf.rl.generators import GeneratorPool
+    from jaxrlhf.rl.pool import GeneratorPool
     from jaxrlhf.rl.service import start_server
 
     model_dir = Path(args.model)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
+import threading
 
 from generator_service.auth import (
     AUTH_TOKEN_ENV,
@@ -13,8 +16,14 @@ from generator_service.auth import (
     resolve_auth_token,
     server_credentials,
 )
-from generator_service.engine import EngineConfig
+from generator_service.engine import GIB, EngineConfig
 from generator_service.server import ServerOptions, serve
+
+# What to change when the engine cannot start (out of memory is the usual cause).
+START_HINT = (
+    "If memory ran short: on CPU pass a smaller --kv-cache-gib (default: a quarter of the free "
+    "memory), on GPUs a smaller --gpu-memory-utilization; see the log above for the cause."
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,7 +37,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", help="served dtype, e.g. bfloat16, float32")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="GPUs: the share of device memory vLLM takes")  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="the KV cache's size (default on CPU: a quarter of the free memory, 0.5-4 GiB; on "
+        "GPUs: what --gpu-memory-utilization leaves)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="engine sampling seed")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument(
@@ -55,8 +72,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def stop_with_parent() -> None:
+    """When started with an inherited pipe ($JAXRLHF_PARENT_FD, jaxrlhf.rl.service), stop
+    (SIGTERM: drain and exit) once the process holding its other end is gone."""
+    fd = os.environ.get("JAXRLHF_PARENT_FD")
+    if not fd:
+        return
+
+    def watch() -> None:
+        while os.read(int(fd), 1):  # returns b"" (EOF) when the parent process is gone
+            pass
+        logging.warning("the process that started this server is gone: stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_with_parent()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -78,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs,
         staging_dir=args.staging_dir,
+        kv_cache_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
     )
     options = ServerOptions(
         host=args.host,
@@ -86,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         tls=tls,
         shutdown_grace=args.shutdown_grace,
     )
-    asyncio.run(serve(engine_config, options))
+    try:
+        asyncio.run(serve(engine_config, options))
+    except Exception as error:  # noqa: BLE001 - one line for the user, the trace is logged
+        logging.exception("the generator service could not start or failed")
+        print(f"error: the generator service stopped: {type(error).__name__}: {error}. "
+              f"{START_HINT}", file=sys.stderr, flush=True)  # fmt: skip
+        return 1
     return 0
 
 

@@ -8,24 +8,16 @@ reflection included, needs the token whenever one is configured.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 from collections.abc import Awaitable, Callable
 
 import grpc
 
+from jaxrlhf_wire import AUTH_HEADER
+from jaxrlhf_wire.hosts import is_loopback_host as is_loopback  # the one loopback rule
+
 AUTH_TOKEN_ENV = "JAXRLHF_GENERATOR_AUTH_TOKEN"
-AUTH_HEADER = "authorization"
 _OPEN_METHOD_PREFIX = "/grpc.health.v1.Health/"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def resolve_auth_token(host: str, cli_token: str | None) -> str | None:

@@ -50,6 +50,24 @@ class EngineConfig:
     # Where updates are staged before the engine loads them (RAM-backed if possible; see
     # weights.py). None: /dev/shm when writable, else the system temp folder.
     staging_dir: str | None = None
+    # The KV cache's size in bytes. None: on CPU, `default_cpu_kv_cache_bytes()` (unless
+    # VLLM_CPU_KVCACHE_SPACE says otherwise); on GPUs, gpu_memory_utilization decides.
+    kv_cache_bytes: int | None = None
+
+
+GIB = 1 << 30
+
+
+def default_cpu_kv_cache_bytes() -> int:
+    """A quarter of the memory free now, between 0.5 and 4 GiB.
+
+    vLLM's CPU backend otherwise reserves `gpu_memory_utilization` (0.9) of the NUMA node's
+    memory and refuses to start when that much is not free, which on a shared 24 GB machine
+    (a ~9.6 GB node) it never is.
+    """
+    import psutil
+
+    return int(min(4 * GIB, max(GIB // 2, psutil.virtual_memory().available // 4)))
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,13 @@ class GeneratorEngine:
         enforce_eager = config.enforce_eager
         if enforce_eager is None:
             enforce_eager = current_platform.is_cpu()
+        kv_cache_bytes = config.kv_cache_bytes
+        if kv_cache_bytes is None and current_platform.is_cpu():
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                kv_cache_bytes = default_cpu_kv_cache_bytes()
+        self.kv_cache_bytes = kv_cache_bytes
+        if kv_cache_bytes is not None:
+            logger.info("KV cache: %.2f GiB", kv_cache_bytes / GIB)
         args = AsyncEngineArgs(
             model=config.model,
             dtype=config.dtype,
@@ -105,6 +130,7 @@ class GeneratorEngine:
             seed=config.seed,
             enforce_eager=enforce_eager,
             max_num_seqs=config.max_num_seqs,
+            kv_cache_memory_bytes=kv_cache_bytes,
             # Logprobs of the distribution actually sampled (temperature, top-k/p applied),
             # which is what the learner's importance ratios need.
             logprobs_mode="processed_logprobs",

@@ -1,26 +1,29 @@
 """The gRPC face of the generator: the Generator service, health, reflection, auth and shutdown.
 
 Messages are translated here and nowhere else; the engine deals in plain Python values. Weight
-chunks are decoded by hand (`decode_weight_chunk`) so that their data stays a view of the
-received message, written to the staging file without another copy.
+chunks are decoded by hand (`jaxrlhf_wire.chunks.decode_weight_chunk`) so that their data stays
+a view of the received message, written to the staging file without another copy. The wire
+contract (stubs, chunk format, loopback rule, readiness line) comes from `jaxrlhf_wire`; this
+package never imports the learner's `jaxrlhf`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
-import ipaddress
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from generator_service import failpoints
 from generator_service.auth import TokenAuthInterceptor
 from generator_service.engine import EngineConfig, GeneratorEngine
 from generator_service.requests import GenerateError, Sampling
@@ -32,82 +35,12 @@ from generator_service.weights import (
     minimum_update_bytes,
     shared_file_path,
 )
-from jaxrlhf.rpc import SERVICE_NAME, generator_pb2, generator_pb2_grpc
-from jaxrlhf.rpc.client import CHANNEL_OPTIONS
+from jaxrlhf_wire import ADMITTED_VERSION_HEADER, READY_LINE
+from jaxrlhf_wire.chunks import CHANNEL_OPTIONS, MalformedChunkError, decode_weight_chunk
+from jaxrlhf_wire.hosts import is_local_peer
+from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2, generator_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-READY_LINE = "GENERATOR_SERVICE_READY"
-# Initial metadata of every Generate call, sent once the call is admitted between weight swaps.
-ADMITTED_VERSION_HEADER = "x-jaxrlhf-policy-version"
-
-
-# WeightChunk.data's key on the wire: field number, wire type 2 (length-delimited).
-_DATA_KEY = generator_pb2.WeightChunk.DESCRIPTOR.fields_by_name["data"].number << 3 | 2
-
-
-class MalformedChunkError(ValueError):
-    """Bytes that are not a WeightChunk; answered with INVALID_ARGUMENT."""
-
-
-@dataclass(frozen=True)
-class ReceivedChunk:
-    """A WeightChunk as received: every field but `data` in `header`, and `data` as a view of
-    the message's bytes."""
-
-    header: generator_pb2.WeightChunk
-    data: memoryview
-
-
-def _read_varint(raw: bytes, position: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if position >= len(raw) or shift > 63:
-            raise MalformedChunkError("malformed WeightChunk: bad varint")
-        byte = raw[position]
-        position += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, position
-        shift += 7
-
-
-def decode_weight_chunk(raw: bytes) -> ReceivedChunk:
-    """Parses a serialised WeightChunk without copying its data (protobuf would copy it twice).
-
-    The top-level fields are walked; `data` (the last one, if repeated, as protobuf decides) is
-    sliced out and every other field is parsed by protobuf itself.
-    """
-    view = memoryview(raw)
-    data = view[:0]
-    header_parts = []
-    position = 0
-    while position < len(raw):
-        field_start = position
-        key, position = _read_varint(raw, position)
-        wire_type = key & 7
-        if wire_type == 0:
-            _, position = _read_varint(raw, position)
-        elif wire_type == 1:
-            position += 8
-        elif wire_type == 2:
-            length, position = _read_varint(raw, position)
-            position += length
-        elif wire_type == 5:
-            position += 4
-        else:
-            raise MalformedChunkError(f"malformed WeightChunk: wire type {wire_type}")
-        if position > len(raw):
-            raise MalformedChunkError("malformed WeightChunk: a field runs past the message")
-        if key == _DATA_KEY:
-            data = view[position - length : position]
-        else:
-            header_parts.append(view[field_start:position])
-    try:
-        header = generator_pb2.WeightChunk.FromString(b"".join(header_parts))
-    except DecodeError as error:
-        raise MalformedChunkError(f"malformed WeightChunk: {error}") from error
-    return ReceivedChunk(header, data)
 
 
 @dataclass(frozen=True)
@@ -150,6 +83,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 await context.send_initial_metadata(((ADMITTED_VERSION_HEADER, str(version)),))
 
             async for sample in self._engine.generate(prompts, sampling, admitted):
+                failpoints.hit("generate_completion")  # (chaos tests only)
                 yield generator_pb2.Completion(
                     prompt_id=sample.prompt_id,
                     sample_index=sample.sample_index,
@@ -193,6 +127,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 tensors = assembler.finish()
                 await staging.flush(assembler.staged_bytes)
                 received_seconds = time.monotonic() - started
+                failpoints.hit("update_weights")  # (chaos tests only)
                 pause_seconds = await self._engine.swap_weights(
                     staging.path, tensors, assembler.policy_version, assembler.allow_rollback
                 )
@@ -254,6 +189,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     os.path.getsize(path),
                     request.allow_rollback,
                 )
+                failpoints.hit("update_weights")  # (chaos tests only)
                 pause_seconds = await self._engine.swap_weights(
                     path, tensors, request.policy_version, request.allow_rollback
                 )
@@ -370,21 +306,6 @@ def _keep_freed_memory() -> None:
     mallopt(m_top_pad, 64 << 20)
 
 
-def is_local_peer(peer: str) -> bool:
-    """Whether a gRPC peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...")
-    is a client on this host: a loopback address or a Unix socket."""
-    kind, _, rest = peer.partition(":")
-    if kind == "unix" or kind == "unix-abstract":
-        return True
-    host = rest.rsplit(":", 1)[0].strip("[]")
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
-    return address.is_loopback or (mapped is not None and mapped.is_loopback)
-
-
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -406,6 +327,8 @@ async def serve(engine_config: EngineConfig, options: ServerOptions) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
+    # Before the engine's processes exist: whatever happens to this process, they die with it.
+    subprocess.Popen([sys.executable, "-m", "generator_service.reaper", str(os.getpid())])
     engine = GeneratorEngine(engine_config)
     servicer = None
     try:

@@ -32,15 +32,9 @@ from pathlib import Path
 
 import grpc
 
-from jaxrlhf.rpc.shared import ALIGNMENT, remove_stale_files
+from jaxrlhf_wire.dtypes import SAFETENSORS_TO_WIRE, WIRE_DTYPES, tensor_nbytes
+from jaxrlhf_wire.files import ALIGNMENT, aligned, remove_stale_files
 
-# Wire dtype name -> (safetensors dtype code, item size in bytes).
-WIRE_DTYPES: dict[str, tuple[str, int]] = {
-    "float32": ("F32", 4),
-    "bfloat16": ("BF16", 2),
-    "float16": ("F16", 2),
-}
-_SAFETENSORS_TO_WIRE = {code: name for name, (code, _) in WIRE_DTYPES.items()}
 # Every tensor's region starts on a page boundary: aligned views when the engine maps the file.
 STAGING_ALIGNMENT = ALIGNMENT  # the learner's shared files use the same
 # Buffers some checkpoints carry that are recomputed by the engine, never trained.
@@ -226,8 +220,8 @@ class WeightAssembler:
         spec = check_tensor(self.specs, where, name, dtype, shape)
         if len(self._tensors) >= len(self.specs):
             raise _invalid(f"{where}: more than num_tensors={self.num_tensors} tensors")
-        nbytes = math.prod(shape) * WIRE_DTYPES[dtype][1]
-        position = -self.staged_bytes % STAGING_ALIGNMENT + self.staged_bytes
+        nbytes = tensor_nbytes(dtype, shape)
+        position = aligned(self.staged_bytes)
         self.staged_bytes = position + nbytes
         partial = _PartialTensor(spec, dtype, position, nbytes)
         self._tensors[name] = partial
@@ -292,7 +286,7 @@ def check_tensor(
         raise _invalid(f"{where}: unknown tensor {name!r}, not in the served model{hint}")
     if dtype not in WIRE_DTYPES:
         raise _invalid(f"{where}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-    if spec.dtype not in _SAFETENSORS_TO_WIRE:
+    if spec.dtype not in SAFETENSORS_TO_WIRE:
         raise _invalid(f"{where}: the served tensor has dtype {spec.dtype}, not a float")
     if shape != spec.shape:
         raise _invalid(f"tensor {name} has shape {list(shape)}, expected {list(spec.shape)}")
@@ -345,7 +339,7 @@ def check_shared_layout(
         if name in seen:
             raise _invalid(f"{where}: tensor {name} is listed twice: duplicated data")
         seen.add(name)
-        nbytes = math.prod(spec.shape) * WIRE_DTYPES[dtype][1]
+        nbytes = tensor_nbytes(dtype, spec.shape)
         if position % STAGING_ALIGNMENT:
             raise _invalid(
                 f"{where}: byte position {position} is not a multiple of {STAGING_ALIGNMENT}"
@@ -369,7 +363,7 @@ def check_shared_layout(
 
 def minimum_update_bytes(specs: dict[str, TensorSpec]) -> int:
     """The least staging space a complete update can take (every tensor in a 2-byte dtype)."""
-    smallest = min(size for _, size in WIRE_DTYPES.values())
+    smallest = min(dtype.itemsize for dtype in WIRE_DTYPES.values())
     return sum(math.prod(spec.shape) * smallest for spec in specs.values())
 
 

@@ -25,15 +25,18 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from jaxrlhf_wire.dtypes import WIRE_DTYPES
+
 logger = logging.getLogger(__name__)
 
-# Wire dtype -> (numpy dtype of the same width, torch dtype). numpy has no bfloat16: its bytes
-# are viewed as int16 and reinterpreted by torch.
-_VIEW_DTYPES = {
-    "float32": (np.float32, torch.float32),
-    "bfloat16": (np.int16, torch.bfloat16),
-    "float16": (np.float16, torch.float16),
+# Wire dtype -> torch dtype. The bytes are viewed through the wire table's numpy dtype of the
+# same width (numpy has no bfloat16: int16) and reinterpreted by torch.
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
 }
+assert set(_TORCH_DTYPES) == set(WIRE_DTYPES), "every wire dtype needs its torch dtype"
 
 
 def map_staged_tensors(
@@ -58,8 +61,8 @@ def map_staged_tensors(
         os.close(fd)
     views = []
     for name, wire_dtype, shape, position in tensors:
-        numpy_dtype, torch_dtype = _VIEW_DTYPES[wire_dtype]
-        array = np.frombuffer(mapped, numpy_dtype, math.prod(shape), position)
+        view_dtype, torch_dtype = WIRE_DTYPES[wire_dtype].view, _TORCH_DTYPES[wire_dtype]
+        array = np.frombuffer(mapped, view_dtype, math.prod(shape), position)
         views.append((name, torch.from_numpy(array).view(torch_dtype).view(tuple(shape))))
     return mapped, views
 

@@ -156,6 +156,18 @@ def base_config() -> ml_collections.ConfigDict:
         # How weights reach the generators: "auto" = through a shared-memory file when every
         # generator runs on this host, else streamed over gRPC; "stream"; "shared".
         weight_transport="auto",
+        # Deadlines (seconds) of the calls to a replica; one that misses one is treated as
+        # dead (its prompts fail over to the others). generate_timeout_s 0 = per call:
+        # 30 s + rows x max_tokens / 50 (jaxrlhf.rl.pool.Timeouts).
+        generate_timeout_s=0.0,
+        update_timeout_s=600.0,
+        status_timeout_s=5.0,
+        # Failed replicas are probed this often; one that answers again gets the current weights
+        # and rejoins. A replica started by this run is restarted instead, at most max_restarts
+        # times. With no live replica for no_replica_timeout_s, the run stops with an error.
+        probe_interval_s=2.0,
+        max_restarts=3,
+        no_replica_timeout_s=600.0,
     )
     c.learner_cpus = ""  # e.g. "0": pin the learner process to these cores
     c.export = True

@@ -147,3 +147,16 @@ def test_publish_memory(tiny_llama, generator_address):
     assert summary["swapped_version"] == rows[0]["swapped_version"] > 0
     assert all(len(r["peak_increase_bytes_each"]) == 2 for r in rows)
     assert 0 < summary["layer_bytes"] < summary["model_bytes"]
+
+
+@pytest.mark.slow
+def test_generate_load(tiny_llama, generator_address):
+    # 2 client processes x 4 streams against the shared server for a few seconds, weights
+    # updated every second: no failed call, no call with two versions.
+    command = [sys.executable, "bench/generate_load.py", "--model", str(tiny_llama),
+               "--address", generator_address, "--processes", "2", "--streams", "4",
+               "--seconds", "6", "--baseline-seconds", "2", "--update-every", "1"]  # fmt: skip
+    (row,) = run_bench(command)
+    assert row["streams"] == 8 and row["calls"] > 8 and row["updates"] >= 2
+    assert row["failed_calls"] == 0 and row["mixed_version_calls"] == 0, row
+    assert_positive_finite(row, "tokens_per_s", "one_client_tokens_per_s", "latency_p99_s")

@@ -65,11 +65,15 @@ def test_recipe_stage_fits_its_hardware(module, stage):
 
 
 @pytest.mark.slow
-def test_nobots_with_the_whole_batch_in_one_step_does_not_fit():
-    whole = 2 * nobots.get_config().rollout.prompts_per_batch  # 256 pairs: 512 sequences
-    result = json.loads(run_plan("--config=configs/nobots.py",
+@pytest.mark.parametrize("module", [tldr, nobots])
+def test_rlhf_with_the_whole_batch_in_one_step_does_not_fit(module):
+    whole = 2 * module.get_config().rollout.prompts_per_batch  # pairs: 2 sequences each
+    name = module.__name__.split(".")[-1]
+    result = json.loads(run_plan(f"--config=configs/{name}.py",
                                  f"--config.train.micro_batch_size={whole}")[-1])  # fmt: skip
     assert result["micro_batches"] == 1 and not result["fits"]
+    if module is not nobots:
+        return
     config = nobots.get_config()
     config.train.micro_batch_size = 0
     config.model.logprob_chunk = 0  # and the full [rows, T, vocab] logits too: ~3x over

@@ -78,9 +78,11 @@ class GenerationBackend(Protocol):
         prompts: Sequence[Sequence[int]],
         sampling: dict[str, Any],
         on_admitted: Callable[[], None] | None = None,
+        min_version: int | None = None,
     ) -> list[Sample]:
-        """All completions for `prompts` (n per prompt), prompt-major order; `on_admitted` runs
-        once the weight version of the batch is fixed."""
+        """All completions for `prompts` (n per prompt), prompt-major order, from weights of
+        at least `min_version`; `on_admitted` runs once the weight version of the batch is
+        fixed."""
 
 
 class RolloutProducer:
@@ -213,8 +215,10 @@ class RolloutProducer:
                     [p.token_ids for p in prompts],
                     sampling,
                     on_admitted=lambda index=index: self._mark_admitted(index),
+                    min_version=required,
                 )
                 elapsed = time.perf_counter() - started
+                check_complete(index, samples, len(prompts), sampling.get("n", 1))
                 stale = [s.policy_version for s in samples if s.policy_version < required]
                 if stale:
                     raise RuntimeError(
@@ -230,3 +234,17 @@ class RolloutProducer:
                 self._error = error
                 self._failed = True
                 self._cond.notify_all()
+
+
+def check_complete(index: int, samples: Sequence[Sample], prompts: int, n: int) -> None:
+    """Every prompt of batch `index` has exactly its n samples, none lost, none twice (failover
+    must keep that); raises RuntimeError naming what is off."""
+    got = collections.Counter((s.prompt_index, s.sample_index) for s in samples)
+    want = {(p, k) for p in range(prompts) for k in range(n)}
+    missing, twice = want - set(got), [key for key, count in got.items() if count > 1]
+    extra = set(got) - want
+    if missing or twice or extra:
+        raise RuntimeError(
+            f"batch {index} came back with {len(missing)} (prompt, sample) missing, "
+            f"{len(twice)} twice and {len(extra)} unknown of {prompts} x {n}"
+        )

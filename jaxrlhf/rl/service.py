@@ -4,7 +4,6 @@ cores (on one machine, disjoint cores stand in for separate accelerators)."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import signal
@@ -14,13 +13,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-READY_LINE = "GENERATOR_SERVICE_READY"  # printed by generator_service.server once serving
+from jaxrlhf_wire import READY_LINE  # printed by generator_service.server once serving
 
-
-def _die_with_parent() -> None:
-    """In the child before exec: receive SIGTERM when the parent dies (no orphan servers)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# The server reads this inherited pipe; it ends (EOF) when this process dies, however it dies,
+# and the server then stops (no orphan servers). Unlike PR_SET_PDEATHSIG, which fires when the
+# *thread* that started the child exits, a pipe follows the process: servers started from a
+# short-lived thread (a restart) live on.
+PARENT_FD_ENV = "JAXRLHF_PARENT_FD"
 
 
 @dataclasses.dataclass
@@ -28,12 +27,16 @@ class ServerProcess:
     process: subprocess.Popen
     address: str
     log_path: Path
+    lifeline: int = -1  # our end of the pipe the server watches
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM, then wait; returns the exit code (kills it if it overstays)."""
+        if self.lifeline >= 0:
+            os.close(self.lifeline)
+            self.lifeline = -1
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
@@ -62,18 +65,24 @@ def start_server(
     if cpus:
         command = ["taskset", "-c", ",".join(str(c) for c in cpus), *command]
     repo_root = Path(__file__).resolve().parents[2]
-    full_env = dict(os.environ, **(env or {}))
-    full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            command,
-            cwd=repo_root,
-            env=full_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
-        )
-    server = ServerProcess(process, "", log_path)
+    watched, lifeline = os.pipe()
+    full_env = dict(os.environ, **(env or {}), **{PARENT_FD_ENV: str(watched)})
+    try:
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(
+                command,
+                cwd=repo_root,
+                env=full_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(watched,),
+            )
+    except BaseException:
+        os.close(lifeline)
+        raise
+    finally:
+        os.close(watched)
+    server = ServerProcess(process, "", log_path, lifeline)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in log_path.read_text(errors="replace").splitlines():

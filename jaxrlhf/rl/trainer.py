@@ -26,9 +26,9 @@ import numpy as np
 from jaxrlhf.checkpointing import Checkpointer
 from jaxrlhf.distributed import broadcast, driven_streams, is_driver
 from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, save_pretrained
-from jaxrlhf.rl.generators import GeneratorPool
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.metrics import MetricsWriter
+from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer
 from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import make_mesh
@@ -96,17 +96,46 @@ def standard_error(scores: np.ndarray) -> float:
 
 
 def publish(
-    learner: Learner, pool: GeneratorPool | None, version: int, dtype: str | None, rollback=False
+    learner: Learner,
+    pool: GeneratorPool | None,
+    version: int,
+    dtype: str | None,
+    rollback=False,
+    rejoining_only: bool = False,
 ):
-    """Publishes the policy as `version`; every process gathers its tensors (one at a time), the
-    driver sends them (`distributed.driven_streams`). Returns the driver's PublishStats."""
+    """Publishes the policy as `version` (to the replicas that rejoin only, with
+    `rejoining_only`); every process gathers its tensors (one at a time), the driver sends them
+    (`distributed.driven_streams`). Returns the driver's PublishStats."""
     policy_params = learner.state.params["policy"]
     specs = hf_tensor_specs(learner.policy, policy_params, dtype)
     return driven_streams(
         lambda: iter_hf_tensors(learner.policy, policy_params, dtype),
         lambda tensors: pool.publish_weights(tensors, len(specs), version,
-                                             allow_rollback=rollback, specs=specs),
+                                             allow_rollback=rollback, specs=specs,
+                                             rejoining_only=rejoining_only),
     )  # fmt: skip
+
+
+REJOIN_POLL_SECONDS = 1.0
+
+
+def receive_batch(learner, producer, pool, version: int, sync_dtype) -> Rollout:
+    """The next batch (the driver's, on every process). While it is not there, replicas that
+    answer again get the current weights, as long as the learner's parameters are the version
+    the generators serve (every process takes part in that publish)."""
+    while True:
+        event = None
+        if producer is not None:  # the driver
+            try:
+                event = ("batch", producer.next(timeout=REJOIN_POLL_SECONDS))
+            except TimeoutError:
+                current = pool.published_version == version
+                event = ("rejoin", None) if current and pool.needs_weights() else ("wait", None)
+        kind, rollout = broadcast(event)
+        if kind == "batch":
+            return rollout
+        if kind == "rejoin":
+            publish(learner, pool, version, sync_dtype, rejoining_only=True)
 
 
 def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, log) -> RunResult:
@@ -270,7 +299,8 @@ def train_one_step(
 ) -> dict[str, Any]:
     """One update of the loop: wait for the next batch, learn from it, publish when due."""
     t0 = time.perf_counter()
-    rollout = broadcast(producer.next() if producer is not None else None)
+    before = pool.metrics() if pool is not None else {}
+    rollout = receive_batch(learner, producer, pool, version, sync_dtype)
     wait_s = time.perf_counter() - t0
     learned = learner.learn(rollout, task)
     version += 1
@@ -285,9 +315,19 @@ def train_one_step(
             producer.publish(version)
         sync_s = stats.seconds if stats is not None else time.perf_counter() - published
     staleness = (version - 1) - np.array([s.policy_version for s in rollout.samples])
+    fleet = {}
+    if pool is not None:  # the generators' health over this step (counts since the last step)
+        after = pool.metrics()
+        fleet = {"generators_live": after["generators_live"]}
+        fleet |= {f"generator_{k}": after[k] - before[k]
+                  for k in ("failures", "failovers", "restarts", "rejoins")}  # fmt: skip
     return {
         "policy_version": version,
         **learned,
+        "prompts": len(rollout.prompts),
+        "samples": len(rollout.samples),
+        "prompt_ids": [p.id for p in rollout.prompts],  # the batch's, in the schedule's order
+        **fleet,
         "staleness_mean": float(staleness.mean()),
         "staleness_max": int(staleness.max()),
         "generation_tokens_per_s": rollout.num_tokens / max(rollout.generate_seconds, 1e-9),

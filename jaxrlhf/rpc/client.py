@@ -1,11 +1,8 @@
-"""A thin synchronous client for the generator service, and the weight-chunking helpers.
+"""A thin synchronous client for the generator service.
 
-The learner streams its parameters (numpy or JAX arrays, already in the Hugging Face layout) with
-`encode_weight_chunks`: WeightChunk messages serialised by hand, so that each tensor's bytes are
-copied once, straight into the message (protobuf would copy them three times: into a `bytes`,
-into the message, into its serialisation). `iter_weight_chunks` yields the same chunks as
-message objects, for callers that build or alter streams themselves. Only numpy and grpc here:
-this module runs in the learner process, which must not import vLLM or torch.
+Weights go out as chunks encoded by `jaxrlhf_wire.chunks.encode_weight_chunks` (each tensor's
+bytes copied once, straight into its messages). Only grpc and the wire contract here: this
+module runs in the learner process, which must not import vLLM or torch.
 """
 
 from __future__ import annotations
@@ -15,141 +12,25 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
-import numpy as np
 
-from jaxrlhf.rpc import generator_pb2, generator_pb2_grpc
+from jaxrlhf_wire import AUTH_HEADER
 
-AUTH_HEADER = "authorization"
-# Measured on loopback (bench/weight_sync.py): 16 MiB chunks stream no faster than 4 MiB and
-# vary more; smaller ones add per-message overhead.
-DEFAULT_CHUNK_BYTES = 4 << 20
-# The gRPC default receive limit (4 MiB) is too tight for a 4 MiB chunk plus its header; both
-# sides (channel and server) use this limit, and chunk_bytes must stay below it.
-MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Socket reads of up to 16 MiB instead of gRPC's small adaptive ones: fewer reads and
-    # buffers per weight chunk (~15% less CPU receiving an update on loopback, measured).
-    ("grpc.experimental.tcp_read_chunk_size", 4 << 20),
-    ("grpc.experimental.tcp_min_read_chunk_size", 4 << 20),
-    ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
+# These live in jaxrlhf_wire (the contract both sides import); re-exported for the learner.
+from jaxrlhf_wire.chunks import (  # noqa: F401
+    CHANNEL_OPTIONS,
+    DEFAULT_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    UPDATE_WEIGHTS_METHOD,
+    encode_weight_chunks,
+    iter_weight_chunks,
 )
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
-UPDATE_WEIGHTS_METHOD = (
-    f"/{generator_pb2.DESCRIPTOR.services_by_name['Generator'].full_name}/UpdateWeights"
-)
-# Tag of WeightChunk.data on the wire: its field number, wire type 2 (length-delimited).
-_DATA_FIELD = generator_pb2.WeightChunk.DESCRIPTOR.fields_by_name["data"].number
-_DATA_TAG = bytes([_DATA_FIELD << 3 | 2])
+from jaxrlhf_wire.dtypes import WEIGHT_DTYPES  # noqa: F401
+from jaxrlhf_wire.stubs import generator_pb2, generator_pb2_grpc
 
 
 def auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...]:
     """The call metadata that carries the shared secret (empty without one)."""
     return ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
-
-
-def _tensor_bytes(name: str, array: Any) -> tuple[str, tuple[int, ...], memoryview]:
-    array = np.asarray(array)
-    dtype_name = str(array.dtype)
-    if dtype_name not in WEIGHT_DTYPES:
-        raise ValueError(f"tensor {name} has dtype {dtype_name}; send one of {WEIGHT_DTYPES}")
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    array = np.ascontiguousarray(array)
-    return dtype_name, tuple(array.shape), memoryview(array.reshape(-1).view(np.uint8))
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _iter_pieces(
-    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
-    chunk_bytes: int,
-    num_tensors: int | None,
-) -> Iterator[tuple[int, str, str, tuple[int, ...], int, memoryview]]:
-    """(num_tensors, name, dtype, shape, byte offset, bytes) of every chunk, tensor by tensor."""
-    if chunk_bytes <= 0 or chunk_bytes > MAX_MESSAGE_BYTES - (1 << 20):
-        raise ValueError(
-            f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - (1 << 20)}], got {chunk_bytes}"
-        )
-    items: Iterable[tuple[str, Any]] = tensors.items() if isinstance(tensors, Mapping) else tensors
-    if num_tensors is None:
-        items = list(items)
-        num_tensors = len(items)
-    for name, array in items:
-        dtype_name, shape, data = _tensor_bytes(name, array)
-        offset = 0
-        while True:
-            piece = data[offset : offset + chunk_bytes]
-            yield num_tensors, name, dtype_name, shape, offset, piece
-            offset += len(piece)
-            if offset >= len(data):
-                break
-
-
-def _header(
-    policy_version: int,
-    allow_rollback: bool,
-    num_tensors: int,
-    name: str,
-    dtype_name: str,
-    shape: tuple[int, ...],
-    offset: int,
-) -> generator_pb2.WeightChunk:
-    """A chunk's every field but its data."""
-    return generator_pb2.WeightChunk(
-        policy_version=policy_version,
-        num_tensors=num_tensors,
-        allow_rollback=allow_rollback,
-        name=name,
-        dtype=dtype_name,
-        shape=shape,
-        offset=offset,
-    )
-
-
-def iter_weight_chunks(
-    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
-    policy_version: int,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    num_tensors: int | None = None,
-    allow_rollback: bool = False,
-) -> Iterator[generator_pb2.WeightChunk]:
-    """Splits named arrays into `WeightChunk`s of at most `chunk_bytes` data each.
-
-    Lazy: one tensor's bytes at a time are copied into messages. With `num_tensors` given,
-    `tensors` may be a one-pass iterator (e.g. parameters converted on the fly) and is never
-    held in full; without it, it is listed first to count it. A count that does not match what
-    is sent is refused by the server. A zero-size tensor is sent as one empty chunk.
-    """
-    for *fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
-        chunk = _header(policy_version, allow_rollback, *fields)
-        chunk.data = piece.tobytes()
-        yield chunk
-
-
-def encode_weight_chunks(
-    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
-    policy_version: int,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    num_tensors: int | None = None,
-    allow_rollback: bool = False,
-) -> Iterator[bytes]:
-    """The chunks of `iter_weight_chunks`, serialised: send them with `update_weights_encoded`.
-
-    Each message is the protobuf encoding of the chunk without its data, followed by the data
-    field (protobuf accepts fields in any order), so the tensor's bytes are copied only once.
-    """
-    for *fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
-        header = _header(policy_version, allow_rollback, *fields).SerializeToString()
-        yield b"".join((header, _DATA_TAG, _varint(len(piece)), piece))
 
 
 def make_channel(

@@ -27,27 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxrlhf.rpc import generator_pb2
-from jaxrlhf.rpc.client import WEIGHT_DTYPES
+# ALIGNMENT and remove_stale_files live in jaxrlhf_wire (the service's staging file uses them too).
+from jaxrlhf_wire.dtypes import WEIGHT_DTYPES, wire_dtype_name
+from jaxrlhf_wire.files import ALIGNMENT, aligned, remove_stale_files  # noqa: F401
+from jaxrlhf_wire.stubs import generator_pb2
 
-# Every tensor region starts on a page boundary (also the service's staging layout).
-ALIGNMENT = 4096
 PREFIX = "jaxrlhf-shared-"
-
-
-def remove_stale_files(directory: str, prefix: str) -> None:
-    """Deletes the files named PREFIX<pid>-*.bin in `directory` whose process no longer runs
-    (shared files of dead learners here, staging files of dead servers in the service)."""
-    for path in Path(directory).glob(f"{prefix}*.bin"):
-        pid = path.name[len(prefix) :].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # alive, another user's
 
 
 class SharedWeightsFile:
@@ -59,9 +44,9 @@ class SharedWeightsFile:
         self.positions: list[int] = []
         size = 0
         for name, shape, dtype in self.specs:
-            if str(dtype) not in WEIGHT_DTYPES:
+            if wire_dtype_name(dtype) is None:
                 raise ValueError(f"tensor {name} has dtype {dtype}; one of {WEIGHT_DTYPES}")
-            size += -size % ALIGNMENT
+            size = aligned(size)
             self.positions.append(size)
             size += math.prod(shape) * dtype.itemsize
         self.size = size

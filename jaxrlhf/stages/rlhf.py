@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from jaxrlhf.distributed import is_driver
-from jaxrlhf.rl.generators import GeneratorPool
+from jaxrlhf.rl.pool import GeneratorPool, Timeouts
 from jaxrlhf.rl.service import start_server
 from jaxrlhf.rl.tasks import build_task
 from jaxrlhf.rl.trainer import run_rlhf
@@ -17,30 +17,45 @@ from jaxrlhf.rl.trainer import run_rlhf
 
 @contextlib.contextmanager
 def generator_pool(config, model_path: Path, log):
-    """A pool over the configured addresses, or over one server started here for the run."""
+    """A pool over the configured addresses, or over one server started here for the run (and
+    restarted here when it dies: `generator.max_restarts`)."""
     gen = config.generator
     token = os.environ.get(gen.auth_token_env) if gen.auth_token_env else None
-    server = None
+    servers: list = []
+    restart = None
     if gen.addresses:
         targets = [a.strip() for a in gen.addresses.split(",") if a.strip()]
     else:
-        log_path = Path(config.output_dir) / "generator.log"
-        log(f"starting a generator service for {model_path} (log: {log_path})")
         args = [
             "--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
             "--seed", str(gen.seed),
         ]  # fmt: skip
         cpus = [int(c) for c in gen.cpus.split(",")] if gen.cpus else None
-        server = start_server(model_path, log_path, args, cpus=cpus)
-        targets = [server.address]
-    pool = GeneratorPool(targets, auth_token=token, transport=gen.weight_transport)
+
+        def start(target: str = "") -> str:
+            if servers and servers[-1].process.poll() is None:
+                servers[-1].process.kill()  # hung (it failed): its reaper takes its engine along
+                servers[-1].process.wait()
+            name = "generator.log" if not servers else f"generator-restart{len(servers)}.log"
+            log_path = Path(config.output_dir) / name
+            log(f"starting a generator service for {model_path} (log: {log_path})")
+            servers.append(start_server(model_path, log_path, args, cpus=cpus))
+            return servers[-1].address
+
+        targets, restart = [start()], start
+    pool = GeneratorPool(
+        targets, auth_token=token, transport=gen.weight_transport,
+        timeouts=Timeouts(gen.generate_timeout_s, gen.update_timeout_s, gen.status_timeout_s),
+        probe_interval=gen.probe_interval_s, restart=restart, max_restarts=gen.max_restarts,
+        no_replica_timeout=gen.no_replica_timeout_s, log=log,
+    )  # fmt: skip
     try:
         statuses = pool.wait_until_serving()
         log(f"generator(s) serving: {', '.join(targets)} (version {statuses[0].policy_version})")
         yield pool
     finally:
         pool.close()
-        if server is not None:
+        for server in servers:
             server.terminate()
 
 

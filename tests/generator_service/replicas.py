@@ -56,7 +56,7 @@ class RecordingReplica:
         from grpc_health.v1 import health
 
         from generator_service.server import GeneratorServicer, add_generator_service
-        from jaxrlhf.rpc.client import CHANNEL_OPTIONS
+        from jaxrlhf_wire.chunks import CHANNEL_OPTIONS
 
         self.engine = RecordingEngine(specs)
         self._loop = asyncio.new_event_loop()
@@ -110,8 +110,8 @@ class DyingReplica:
 
 
 def _serve_until_chunk(after: int) -> None:
-    from jaxrlhf.rpc import SERVICE_NAME
-    from jaxrlhf.rpc.client import CHANNEL_OPTIONS
+    from jaxrlhf_wire.chunks import CHANNEL_OPTIONS
+    from jaxrlhf_wire.stubs import SERVICE_NAME
 
     def update_weights(request_iterator, context):
         for count, _ in enumerate(request_iterator, start=1):

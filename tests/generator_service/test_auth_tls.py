@@ -11,7 +11,8 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxrlhf.rpc import GeneratorClient, iter_weight_chunks
+from jaxrlhf.rpc import GeneratorClient
+from jaxrlhf_wire.chunks import iter_weight_chunks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxrlhf.rpc import SERVICE_NAME, generator_pb2
+from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

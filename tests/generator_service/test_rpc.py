@@ -1,4 +1,5 @@
-"""The jaxrlhf.rpc package: generated stubs, its light imports, weight chunking, the CLI guard."""
+"""The wire contract (jaxrlhf_wire) and the learner's client package (jaxrlhf.rpc): generated
+stubs, light imports, weight chunking, the CLI guard."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jaxrlhf.rpc import SERVICE_NAME, generator_pb2, iter_weight_chunks
+from jaxrlhf_wire.chunks import iter_weight_chunks
+from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,8 +68,7 @@ def test_weight_chunks_from_a_one_pass_iterator_with_a_given_count():
 
 
 def test_encoded_chunks_are_the_same_messages_and_decode_without_copying_their_data():
-    from generator_service.server import decode_weight_chunk
-    from jaxrlhf.rpc import encode_weight_chunks
+    from jaxrlhf_wire.chunks import decode_weight_chunk, encode_weight_chunks
 
     arrays = {
         "embed": np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16),
@@ -93,9 +94,13 @@ def test_malformed_bytes_are_refused_as_invalid_argument(tiny_llama):
     import grpc
     import pytest
 
-    from generator_service.server import MalformedChunkError, decode_weight_chunk
     from generator_service.weights import expected_tensors
-    from jaxrlhf.rpc.client import CHANNEL_OPTIONS, UPDATE_WEIGHTS_METHOD
+    from jaxrlhf_wire.chunks import (
+        CHANNEL_OPTIONS,
+        UPDATE_WEIGHTS_METHOD,
+        MalformedChunkError,
+        decode_weight_chunk,
+    )
     from tests.generator_service.replicas import RecordingReplica
 
     good = generator_pb2.WeightChunk(name="x", data=b"abcd").SerializeToString()

@@ -149,7 +149,7 @@ def test_the_learners_file_is_what_the_worker_maps(tmp_path):
 
 
 def test_forcing_the_shared_file_for_a_remote_generator_fails_clearly():
-    from jaxrlhf.rl.generators import GeneratorError, GeneratorPool
+    from jaxrlhf.rl.pool import GeneratorError, GeneratorPool
 
     pool = GeneratorPool(["10.255.0.1:50051"], transport="shared")
     try:
@@ -256,7 +256,7 @@ def test_bad_shared_update_changes_nothing(client, served, case, tmp_path):
 def test_pool_picks_the_shared_file_for_a_local_server_and_streams_when_told(
     client, served, reference
 ):
-    from jaxrlhf.rl.generators import GeneratorPool
+    from jaxrlhf.rl.pool import GeneratorPool
     from tests.generator_service.test_update_weights import greedy, perturbed
 
     specs = [(name, value.shape, value.dtype) for name, value in served.tensors.items()]
@@ -266,8 +266,9 @@ def test_pool_picks_the_shared_file_for_a_local_server_and_streams_when_told(
         try:
             version = served.policy_version + 1
             pool.publish_weights(lambda n=new: iter(n.items()), len(new), version, specs=specs)
-            assert (pool._shared is not None) == (transport == "auto")
-            shared_path = pool._shared.path if pool._shared else None
+            assert pool._transport.name == ("shared" if transport == "auto" else "stream")
+            shared_file = getattr(pool._transport, "_file", None)
+            shared_path = shared_file.path if shared_file is not None else None
         finally:
             pool.close()
         served.policy_version, served.tensors = version, new

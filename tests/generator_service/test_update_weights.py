@@ -11,7 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxrlhf.rpc import generator_pb2, iter_weight_chunks
+from jaxrlhf_wire.chunks import iter_weight_chunks
+from jaxrlhf_wire.stubs import generator_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models import load_pretrained, params_from_hf
-from jaxrlhf.rl.generators import PublishStats
 from jaxrlhf.rl.rollout import Sample
+from jaxrlhf.rl.transport import PublishStats
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -64,7 +64,15 @@ class JaxGenerator:
         self.eos_id, self.pad_id = eos_id, pad_id
         self.version = 0
         self.published: dict[int, dict[str, np.ndarray]] = {}  # version -> HF tensors
+        self.published_version: int | None = None
         self.calls = 0
+
+    def needs_weights(self) -> bool:
+        return False  # one in-process replica: it never fails
+
+    def metrics(self) -> dict[str, int]:
+        return {"generators_live": 1, "failures": 0, "failovers": 0, "restarts": 0,
+                "rejoins": 0}  # fmt: skip
 
     def wait_until_serving(self, timeout: float = 0.0) -> list[Any]:
         return [types.SimpleNamespace(policy_version=self.version, model=str(self.model_dir))]
@@ -76,6 +84,7 @@ class JaxGenerator:
         policy_version: int,
         allow_rollback: bool = False,
         specs: Sequence | None = None,
+        rejoining_only: bool = False,
     ) -> PublishStats:
         started = time.perf_counter()
         if policy_version <= self.version and not allow_rollback:
@@ -84,7 +93,7 @@ class JaxGenerator:
         if len(tensors) != num_tensors:
             raise ValueError(f"{len(tensors)} tensors published, {num_tensors} announced")
         self.params = params_from_hf(self.model, tensors)
-        self.version = policy_version
+        self.version = self.published_version = policy_version
         self.published[policy_version] = tensors
         size = sum(t.nbytes for t in tensors.values())
         return PublishStats(policy_version, num_tensors, size, time.perf_counter() - started, 1)
@@ -94,6 +103,7 @@ class JaxGenerator:
         prompts: Sequence[Sequence[int]],
         sampling: dict[str, Any],
         on_admitted: Callable[[], None] | None = None,
+        min_version: int | None = None,
     ) -> list[Sample]:
         version, params = self.version, self.params
         if on_admitted is not None:

@@ -12,7 +12,7 @@ import pytest
 
 from configs.tiny import get_config as tiny_config
 from jaxrlhf.losses import get_loss_spec
-from jaxrlhf.rl.generators import GeneratorPool
+from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.tasks import build_task
 from jaxrlhf.rl.trainer import run_rlhf
 

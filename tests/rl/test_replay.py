@@ -28,7 +28,7 @@ class RecordingGenerator(JaxGenerator):
         super().__init__(*args)
         self.batches: dict[int, list] = {}
 
-    def generate(self, prompts, sampling, on_admitted=None):
+    def generate(self, prompts, sampling, on_admitted=None, min_version=None):
         samples = super().generate(prompts, sampling, on_admitted)
         self.batches[sampling["seed"]] = (list(prompts), samples)
         return samples
@@ -41,7 +41,7 @@ class ReplayGenerator(JaxGenerator):
         super().__init__(*args)
         self.recorded = recorded
 
-    def generate(self, prompts, sampling, on_admitted=None):
+    def generate(self, prompts, sampling, on_admitted=None, min_version=None):
         recorded_prompts, samples = self.recorded[sampling["seed"]]
         assert list(prompts) == recorded_prompts, "the batch asks for other prompts"
         if on_admitted is not None:

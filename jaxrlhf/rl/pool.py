@@ -1,0 +1,523 @@
+"""The learner's side of the generator replicas: Generate fanned out with failover, weights
+published through a transport, failed replicas probed, restarted and brought back.
+
+A replica is in one of three states:
+
+- live: it takes Generate calls and every publish;
+- failed: one of its calls missed its deadline, was cut off or refused (the replica died, hung,
+  or went away). It gets no work. A prober thread asks it for its status every
+  `probe_interval` seconds; a replica that the learner started itself (`restart`) is restarted
+  instead, a bounded number of times with growing back-off;
+- rejoining: it answers again (restarted, continued, or a replacement at the same address) but
+  may serve stale weights. It first receives the current weights and version (the next
+  publish, or `rejoin` from the learner's thread while it waits for a batch), then it is live.
+
+Generate (`generate`) splits the prompts over the live replicas; a call that fails hands its
+unfinished prompts to the replicas still live (or, when none is, to the first that rejoins):
+completions of prompts the failed replica finished are kept, a prompt it left unfinished is
+regenerated whole (its partial samples dropped), so a batch comes back with exactly its prompts
+x n samples, never a duplicate. Publishing (`publish_weights`) goes to every live and rejoining
+replica through the transport (`jaxrlhf.rl.transport`); a replica that cannot take it is marked
+failed and the others go on. A publish that no replica takes is an error, and so is a replica
+refusing an update as malformed (a defect, not a failure). Every call has a deadline
+(`Timeouts`): a replica that misses one is treated as dead.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from jaxrlhf.rl.rollout import Sample
+from jaxrlhf.rl.transport import (
+    TRANSPORTS,
+    PublishStats,
+    SharedFileTransport,
+    StreamTransport,
+    WeightTransport,
+)
+from jaxrlhf.rpc import generator_pb2
+from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient
+from jaxrlhf_wire.hosts import is_local_target
+
+logger = logging.getLogger(__name__)
+
+# Ways a call ends that mean the replica is gone or hung (not that the request was wrong).
+REPLICA_DOWN = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
+})  # fmt: skip
+LIVE, FAILED, REJOINING = "live", "failed", "rejoining"
+# gRPC backs off reconnecting to a dead server up to 2 minutes; a replica that comes back must
+# be seen within a probe or two.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+class GeneratorError(RuntimeError):
+    """No replica could do the work, or one refused it as malformed; the message names each
+    replica and its gRPC status."""
+
+
+def describe(target: str, error: grpc.RpcError) -> str:
+    return f"generator {target}: {error.code().name}: {error.details()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Deadlines of the calls to a replica, in seconds; a replica that misses one is failed.
+
+    generate: 0 = derived per call from its work: 30 s + (rows x max_tokens) / 50, i.e. room
+    for a replica as slow as 50 tokens/s. update: a weight update's, status: GetStatus's (also
+    the probes').
+    """
+
+    generate: float = 0.0
+    update: float = 600.0
+    status: float = 5.0
+
+    def generate_for(self, rows: int, max_tokens: int) -> float:
+        return self.generate or 30.0 + rows * max_tokens / 50.0
+
+
+@dataclasses.dataclass
+class Replica:
+    client: GeneratorClient
+    state: str = LIVE
+    version: int = -1  # the version it serves, as far as the pool knows
+    failed_at: float = 0.0
+    error: str = ""
+    restarts: int = 0
+    restarting: bool = False
+
+    @property
+    def target(self) -> str:
+        return self.client.target
+
+
+class GeneratorPool:
+    """Clients for one or more generator replicas (module docstring).
+
+    `restart(target) -> new target` starts a replacement for a replica the caller started itself
+    (None: replicas are someone else's; they are only probed). `log(message)` reports failures,
+    failovers, restarts and rejoins.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[str],
+        auth_token: str | None = None,
+        root_certificates: bytes | None = None,
+        retries: int = 1,
+        backoff_seconds: float = 0.5,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        transport: str = "auto",
+        timeouts: Timeouts = Timeouts(),
+        probe_interval: float = 2.0,
+        restart: Callable[[str], str] | None = None,
+        max_restarts: int = 3,
+        no_replica_timeout: float = 600.0,
+        log: Callable[[str], None] | None = None,
+    ):
+        if not targets:
+            raise ValueError("at least one generator address is needed")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"weight transport must be one of {TRANSPORTS}, got {transport!r}")
+        self._credentials = (auth_token, root_certificates)
+        self.replicas = [
+            Replica(GeneratorClient(t, auth_token, root_certificates)) for t in targets
+        ]
+        self.retries, self.backoff_seconds = retries, backoff_seconds
+        self.chunk_bytes, self.transport_name = chunk_bytes, transport
+        self.timeouts, self.probe_interval = timeouts, probe_interval
+        self.restart, self.max_restarts = restart, max_restarts
+        self.no_replica_timeout = no_replica_timeout
+        self.log = log or logger.warning
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.published_version: int | None = None  # the version the last publish delivered
+        self._transport: WeightTransport | None = None
+        self._cond = threading.Condition()
+        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=4 * len(targets) + 4)
+        self._closed = threading.Event()
+        self._prober = threading.Thread(target=self._probe_loop, name="replica-prober",
+                                        daemon=True)  # fmt: skip
+        self._prober.start()
+
+    def _client(self, target: str) -> GeneratorClient:
+        return GeneratorClient(target, *self._credentials, options=RECONNECT_OPTIONS)
+
+    # --- state -------------------------------------------------------------------------------
+
+    def _in(self, *states: str) -> list[Replica]:
+        with self._cond:
+            return [r for r in self.replicas if r.state in states]
+
+    def _fail(self, replica: Replica, reason: str) -> None:
+        with self._cond:
+            if replica.state == FAILED:
+                return
+            replica.state, replica.failed_at, replica.error = FAILED, time.monotonic(), reason
+            self.counters["failures"] += 1
+            self._cond.notify_all()
+        self.log(f"generator {replica.target} failed ({reason}); {self._live_summary()}")
+
+    def _live_summary(self) -> str:
+        live = self._in(LIVE)
+        return f"{len(live)} of {len(self.replicas)} replica(s) live"
+
+    def metrics(self) -> dict[str, int]:
+        """generators_live now; failures, failovers, restarts, rejoins since the pool began."""
+        with self._cond:
+            live = sum(r.state == LIVE for r in self.replicas)
+            counts = dict(self.counters)
+        return {"generators_live": live, **{k: counts.get(k, 0) for k in
+                ("failures", "failovers", "restarts", "rejoins")}}  # fmt: skip
+
+    def needs_weights(self) -> bool:
+        """Whether a replica answers again and waits for the current weights (`rejoin`)."""
+        return bool(self._in(REJOINING))
+
+    def wait_until_serving(self, timeout: float = 600.0) -> list[generator_pb2.GeneratorStatus]:
+        """Every replica's status once it serves (at the start of a run: all must)."""
+        statuses = []
+        for replica in self.replicas:
+            status = replica.client.wait_until_serving(timeout)
+            replica.version = status.policy_version
+            statuses.append(status)
+        if self.published_version is None:  # what a replica that rejoins now must get
+            self.published_version = max(status.policy_version for status in statuses)
+        return statuses
+
+    # --- Generate ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: dict[str, Any],
+        on_admitted: Callable[[], None] | None = None,
+        min_version: int | None = None,
+    ) -> list[Sample]:
+        """All n completions of every prompt, prompt-major, from the live replicas (failover:
+        module docstring). `on_admitted()` runs once every first call was admitted (the server
+        says so before its first completion: the batch's weight version is then fixed) or has
+        ended. Replicas serving a version below `min_version` get no work."""
+        n = sampling.get("n", 1)
+        done: dict[int, list[Sample]] = {}
+        pending = list(range(len(prompts)))
+        fired = on_admitted is None
+        attempt = 0
+        while pending:
+            replicas = self._wait_for_live(min_version)
+            per = -(-len(pending) // len(replicas))
+            parts = [(r, pending[i * per : (i + 1) * per]) for i, r in enumerate(replicas)]
+            parts = [(r, part) for r, part in parts if part]
+            countdown = [len(parts)]
+            lock = threading.Lock()
+
+            def settled(countdown=countdown, lock=lock) -> None:
+                nonlocal fired
+                with lock:
+                    countdown[0] -= 1
+                    if countdown[0] == 0 and not fired:
+                        fired = True
+                        on_admitted()
+
+            futures = [
+                self._calls.submit(self._generate_part, r, [prompts[i] for i in part],
+                                   self._part_sampling(sampling, slot, attempt), settled)
+                for slot, (r, part) in enumerate(parts)
+            ]  # fmt: skip
+            failed = 0
+            for (replica, part), future in zip(parts, futures, strict=True):
+                completions, error = future.result()
+                by_prompt: dict[int, list[Sample]] = collections.defaultdict(list)
+                for c in completions:
+                    index = part[c.prompt_index]
+                    by_prompt[index].append(Sample(index, c.sample_index, tuple(c.token_ids),
+                                                   tuple(c.logprobs), c.finish_reason,
+                                                   c.policy_version))  # fmt: skip
+                for index, samples in by_prompt.items():
+                    if sorted(s.sample_index for s in samples) == list(range(n)):
+                        done[index] = samples
+                if error is not None:
+                    failed += 1
+                    self._fail(replica, error)
+            left = [i for i in pending if i not in done]
+            if left and failed:
+                with self._cond:
+                    self.counters["failovers"] += 1
+                self.log(f"failover: {len(left)} of {len(prompts)} prompts go to the live "
+                         f"replicas ({self._live_summary()})")  # fmt: skip
+            pending, attempt = left, attempt + 1
+        samples = [s for index in sorted(done) for s in done[index]]
+        return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+
+    @staticmethod
+    def _part_sampling(sampling: dict[str, Any], slot: int, attempt: int) -> dict[str, Any]:
+        """Sampling of one call: its own seed (distinct, reproducible streams per replica and
+        per failover round)."""
+        options = dict(sampling)
+        if options.get("seed") is not None:
+            options["seed"] += 7919 * slot + 104729 * attempt
+        return options
+
+    def _generate_part(self, replica: Replica, prompts, sampling, settled: Callable[[], None]):
+        """(completions received, the error that ended the call or None)."""
+        completions: list[Any] = []
+        admitted = False
+        timeout = self.timeouts.generate_for(len(prompts) * sampling.get("n", 1),
+                                             sampling.get("max_tokens", 1))  # fmt: skip
+        try:
+            stream = replica.client.generate([list(p) for p in prompts], timeout=timeout,
+                                             **sampling)  # fmt: skip
+            stream.initial_metadata()  # returns once the server admitted the call
+            admitted = True
+            settled()
+            completions.extend(stream)
+            return completions, None
+        except grpc.RpcError as error:
+            if error.code() not in REPLICA_DOWN:
+                raise GeneratorError(describe(replica.target, error)) from error
+            return completions, f"Generate: {error.code().name}: {error.details()}"
+        finally:
+            if not admitted:
+                settled()
+
+    def _wait_for_live(self, min_version: int | None) -> list[Replica]:
+        """The live replicas (serving at least `min_version`); waits for one to (re)join."""
+        deadline = time.monotonic() + self.no_replica_timeout
+
+        def usable() -> list[Replica]:
+            return [r for r in self.replicas if r.state == LIVE
+                    and (min_version is None or r.version >= min_version)]  # fmt: skip
+
+        with self._cond:
+            while not usable():
+                if self._closed.is_set():
+                    raise GeneratorError("the generator pool is closed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise GeneratorError(
+                        f"no generator replica live for {self.no_replica_timeout:.0f} s: "
+                        + "; ".join(f"{r.target}: {r.state} ({r.error})" for r in self.replicas)
+                    )
+                self._cond.wait(min(left, 1.0))
+            return usable()
+
+    # --- weights -----------------------------------------------------------------------------
+
+    def publish_weights(
+        self,
+        tensor_stream: Callable[[], Iterator[tuple[str, Any]]] | None,
+        num_tensors: int,
+        policy_version: int,
+        allow_rollback: bool = False,
+        specs: Sequence[tuple[str, tuple[int, ...], Any]] | None = None,
+        rejoining_only: bool = False,
+    ) -> PublishStats:
+        """Sends `policy_version` to every live and rejoining replica (only the rejoining ones
+        with `rejoining_only`); returns once each has swapped or was marked failed.
+
+        `tensor_stream()` gives the tensors (called once per attempt of a streamed update).
+        `specs` ([(name, shape, dtype)] of the stream, in order) allows the same-host shared
+        file. `allow_rollback`: replicas accept a version not newer than theirs (resuming).
+        Raises GeneratorError when no replica took it, or one refused it as malformed."""
+        started = time.perf_counter()
+        targets = self._in(REJOINING) if rejoining_only else self._in(LIVE, REJOINING)
+        already = [r for r in targets if r.version == policy_version and not allow_rollback]
+        for replica in already:  # came back still serving this version: nothing to send
+            self._join(replica, policy_version)
+        pending = [r for r in targets if r not in already]
+        swapped = [r.target for r in already]
+        failures: dict[str, str] = {}
+        attempt = 0
+        responses: list[generator_pb2.UpdateWeightsResponse] = []
+        if pending:
+            transport = self._transport_for(specs)
+            delay = self.backoff_seconds
+            for attempt in range(1, self.retries + 2):
+                by_client = {r.client: r for r in pending}
+                outcomes = transport.send(list(by_client), tensor_stream, num_tensors,
+                                          policy_version, allow_rollback,
+                                          self.timeouts.update)  # fmt: skip
+                pending = []
+                for client, outcome in outcomes.items():
+                    replica = by_client[client]
+                    if not isinstance(outcome, grpc.RpcError):
+                        responses.append(outcome)
+                        swapped.append(replica.target)
+                        failures.pop(replica.target, None)
+                        self._join(replica, policy_version)
+                    elif outcome.code() not in REPLICA_DOWN:
+                        raise GeneratorError(
+                            f"weight update {policy_version} refused: "
+                            + describe(replica.target, outcome)
+                        )
+                    else:
+                        failures[replica.target] = describe(replica.target, outcome)
+                        if outcome.code() == grpc.StatusCode.UNAVAILABLE:
+                            pending.append(replica)  # maybe a blip: once more
+                        else:
+                            self._fail(replica, failures[replica.target])
+                if not pending or attempt > self.retries:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+            for replica in pending:
+                self._fail(replica, failures[replica.target])
+        if targets and not swapped:
+            raise GeneratorError(
+                f"weight update {policy_version} reached none of {len(targets)} generator(s): "
+                + "; ".join(failures.values())
+            )
+        if not rejoining_only:
+            self.published_version = policy_version
+        return PublishStats(
+            policy_version=policy_version,
+            num_tensors=num_tensors,
+            num_bytes=int(responses[0].num_bytes) if responses else 0,
+            seconds=time.perf_counter() - started,
+            attempts=attempt,
+            pause_seconds=max((r.pause_seconds for r in responses), default=0.0),
+            swapped=tuple(swapped),
+            failed=tuple(failures),
+        )
+
+    def rejoin(self, tensor_stream, num_tensors: int, policy_version: int,
+               specs=None) -> PublishStats | None:  # fmt: skip
+        """Sends the current weights to the replicas that answer again (from the learner's
+        thread, while its parameters are the published version); None when none waits."""
+        if not self.needs_weights():
+            return None
+        return self.publish_weights(tensor_stream, num_tensors, policy_version, specs=specs,
+                                    rejoining_only=True)  # fmt: skip
+
+    def _join(self, replica: Replica, version: int) -> None:
+        with self._cond:
+            rejoined = replica.state == REJOINING
+            replica.state, replica.version, replica.error = LIVE, version, ""
+            if rejoined:
+                self.counters["rejoins"] += 1
+            self._cond.notify_all()
+        if rejoined:
+            self.log(f"generator {replica.target} rejoined at version {version}; "
+                     f"{self._live_summary()}")  # fmt: skip
+
+    def _transport_for(self, specs) -> WeightTransport:
+        """The transport, decided at the first publish: the shared file when `transport` is
+        "shared", or "auto" and every replica runs on this host and shares one folder this
+        process can write to (a replica that does not answer leaves "auto" undecided: this
+        publish streams); else the stream."""
+        if self._transport is not None:
+            return self._transport
+        if self.transport_name == "stream":
+            self._transport = StreamTransport(self.chunk_bytes)
+            return self._transport
+        reason, decided = self._shared_unavailable()
+        if specs is None:
+            reason, decided = "the publish gave no tensor layout", False
+        if reason and self.transport_name == "shared":
+            raise GeneratorError(f"weight transport 'shared' is not possible: {reason}")
+        if reason:
+            transport = StreamTransport(self.chunk_bytes)
+            if decided:
+                self._transport = transport
+            return transport
+        folder = self.replicas[0].client.status(timeout=self.timeouts.status).shared_weights_dir
+        self._transport = SharedFileTransport(folder, specs)
+        return self._transport
+
+    def _shared_unavailable(self) -> tuple[str, bool]:
+        """(why the replicas cannot take shared-file updates from this process, or "";
+        whether that is settled rather than a replica not answering now)."""
+        remote = [r.target for r in self.replicas if not is_local_target(r.target)]
+        if remote:
+            return f"generators {', '.join(remote)} are not addressed on this host", True
+        try:
+            folders = {r.target: r.client.status(timeout=self.timeouts.status).shared_weights_dir
+                       for r in self.replicas}  # fmt: skip
+        except grpc.RpcError as error:
+            return f"a generator did not answer ({error.code().name})", False
+        if "" in folders.values():
+            return (
+                f"generators {[t for t, f in folders.items() if not f]} take no shared updates",
+                True,
+            )
+        if len(set(folders.values())) > 1:
+            return f"the generators map shared files from different folders: {folders}", True
+        folder = next(iter(folders.values()))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            return f"the generators' shared folder {folder} is not writable here", True
+        return "", True
+
+    # --- probing and restarts ----------------------------------------------------------------
+
+    def _probe_loop(self) -> None:
+        while not self._closed.wait(self.probe_interval):
+            for replica in self._in(FAILED):
+                if replica.restarting:
+                    continue
+                try:
+                    status = replica.client.status(timeout=self.timeouts.status)
+                except grpc.RpcError:
+                    self._maybe_restart(replica)
+                    continue
+                if status.serving:
+                    with self._cond:
+                        replica.state, replica.version = REJOINING, status.policy_version
+                        self._cond.notify_all()
+                    self.log(
+                        f"generator {replica.target} answers again (version "
+                        f"{status.policy_version}): it rejoins with the current weights"
+                    )
+
+    def _maybe_restart(self, replica: Replica) -> None:
+        """Restarts a failed replica the learner started, once its back-off has passed."""
+        if self.restart is None or replica.restarts >= self.max_restarts:
+            return
+        if time.monotonic() - replica.failed_at < 5.0 * 2**replica.restarts:
+            return
+        replica.restarting = True
+        replica.restarts += 1
+        self.log(f"restarting generator {replica.target} "
+                 f"(restart {replica.restarts} of at most {self.max_restarts})")  # fmt: skip
+
+        def run() -> None:
+            try:
+                target = self.restart(replica.target)
+                client = self._client(target)
+                old, replica.client = replica.client, client
+                old.close()
+                with self._cond:
+                    self.counters["restarts"] += 1
+                self.log(f"generator restarted at {target}")
+            except Exception as error:  # noqa: BLE001 - logged; the prober tries again later
+                replica.failed_at = time.monotonic()
+                self.log(f"restarting generator {replica.target} failed: {error}")
+            finally:
+                replica.restarting = False
+
+        threading.Thread(target=run, name="replica-restart", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._prober.join(timeout=10)
+        if self._transport is not None:
+            self._transport.close()
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        for replica in self.replicas:
+            replica.client.close()

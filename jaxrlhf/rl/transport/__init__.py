@@ -1,0 +1,20 @@
+"""How a version of the weights gets from the learner to the generator replicas.
+
+`base.WeightTransport` is the interface (one attempt of one version to a set of replicas, each
+replica's response or error); `stream.StreamTransport` sends gRPC chunks to any host,
+`shared.SharedFileTransport` writes one file in the replicas' shared memory folder and sends
+only where each tensor lies (same host). The pool (`jaxrlhf.rl.pool`) picks one, retries and
+decides what a failure means.
+"""
+
+from jaxrlhf.rl.transport.base import TRANSPORTS, PublishStats, WeightTransport
+from jaxrlhf.rl.transport.shared import SharedFileTransport
+from jaxrlhf.rl.transport.stream import StreamTransport
+
+__all__ = [
+    "TRANSPORTS",
+    "PublishStats",
+    "SharedFileTransport",
+    "StreamTransport",
+    "WeightTransport",
+]

@@ -1,0 +1,61 @@
+"""The weight-transport interface: one version of the weights to a set of replicas.
+
+Keyed by the policy version: `send` makes one attempt to deliver `policy_version` to each of
+`clients` and returns each one's `UpdateWeightsResponse` or the `grpc.RpcError` its call ended
+with (a dead, hung or refusing replica does not stop the others). Retrying, and deciding what an
+error means for the replica, is the pool's job. `PublishStats` is what a whole publish (all its
+attempts) reports.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from jaxrlhf.rpc import GeneratorClient, generator_pb2
+
+# "auto": the shared file when every replica is on this host, else streamed chunks.
+TRANSPORTS = ("auto", "stream", "shared")
+
+TensorStream = Callable[[], Iterator[tuple[str, Any]]]
+Outcome = generator_pb2.UpdateWeightsResponse | grpc.RpcError
+
+
+@dataclasses.dataclass
+class PublishStats:
+    policy_version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    attempts: int
+    # The longest time a replica paused generation for the swap (its reload, repack and reset).
+    pause_seconds: float = 0.0
+    swapped: tuple[str, ...] = ()  # the replicas that serve `policy_version` now
+    failed: tuple[str, ...] = ()  # the replicas this publish gave up on (marked failed)
+
+
+class WeightTransport(abc.ABC):
+    """Delivers one version of the weights to replicas (module docstring)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def send(
+        self,
+        clients: Sequence[GeneratorClient],
+        tensor_stream: TensorStream,
+        num_tensors: int,
+        policy_version: int,
+        allow_rollback: bool,
+        timeout: float | None,
+    ) -> dict[GeneratorClient, Outcome]:
+        """One attempt to every client; each one's response or gRPC error. Errors of the
+        learner's own stream (its conversion failed) are raised, after every call ended."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases what the transport holds (files, threads)."""

@@ -1,0 +1,62 @@
+"""Weights through a file in the replicas' shared memory folder (UpdateWeightsShared), same host.
+
+The learner writes every tensor once into a `SharedWeightsFile` (`jaxrlhf.rpc.shared`) in the
+folder the replicas map from (`GeneratorStatus.shared_weights_dir`, normally /dev/shm) and each
+replica is sent only where the tensors lie: no weight byte crosses a socket. The file holds one
+version: a later attempt for the same version (a retry, a replica rejoining) is sent the same
+file without converting anything again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport
+from jaxrlhf.rl.transport.stream import collect
+from jaxrlhf.rpc.client import GeneratorClient
+from jaxrlhf.rpc.shared import SharedWeightsFile
+
+
+class SharedFileTransport(WeightTransport):
+    """UpdateWeightsShared requests pointing at one file (module docstring)."""
+
+    name = "shared"
+
+    def __init__(self, directory: str, specs: Sequence[tuple[str, tuple[int, ...], Any]],
+                 max_calls: int = 16) -> None:  # fmt: skip
+        self.directory = directory
+        self.specs = [(n, tuple(shape), np.dtype(dtype)) for n, shape, dtype in specs]
+        self._file: SharedWeightsFile | None = None
+        self._version: int | None = None  # the version the file holds
+        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=max_calls)
+
+    def holds(self, policy_version: int) -> bool:
+        """Whether the file already holds `policy_version` (a rejoining replica can take it)."""
+        return self._file is not None and self._version == policy_version
+
+    def send(self, clients, tensor_stream: TensorStream | None, num_tensors, policy_version,
+             allow_rollback, timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
+        if not self.holds(policy_version):
+            if tensor_stream is None:
+                raise ValueError(f"the shared file does not hold version {policy_version}")
+            if self._file is None:
+                self._file = SharedWeightsFile(self.directory, self.specs)
+            self._version = None  # being rewritten: it holds no whole version meanwhile
+            self._file.write(tensor_stream())
+            self._version = policy_version
+        request = self._file.request(policy_version, allow_rollback)
+        futures = {
+            client: self._calls.submit(client.update_weights_shared, request, timeout)
+            for client in clients
+        }
+        return collect(futures)
+
+    def close(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
