@@ -144,7 +144,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
         raise ValueError("no finished run to plot")
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     left, right = fig.subplots(1, 2)
-    labels = [f"{r['variant']}\n{r['step']} updates" for r in test]
+    labels = [f"{r['variant'].rsplit('.', 1)[-1]}\n{r['step']} updates" for r in test]
     x = list(range(len(test)))
     for offset, mode in ((-0.1, "sync"), (0.1, "async")):
         left.errorbar([i + offset for i in x], [r[mode] * 100 for r in test],
