@@ -1,6 +1,6 @@
 """Host memory of each learner process while a multi-process learner publishes its weights.
 
-    python bench/publish_memory.py             # 2 processes x 2 CPU devices, a 134 MB model
+    python bench/publish_memory.py             # 2 processes x 2 CPU devices, a 540 MB model
     python bench/publish_memory.py --address HOST:PORT --model PATH   # a running generator
 
 The learner is N `jax.distributed` processes (gloo) with one mesh over all their devices, the
@@ -144,7 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--devices-per-process", type=int, default=2)
-    parser.add_argument("--model", default="", help="HF folder (default: a 134 MB random Llama)")
+    parser.add_argument("--model", default="", help="HF folder (default: a 540 MB random Llama)")
     parser.add_argument("--address", default="", help="a running generator for --model")
     parser.add_argument("--publishes", type=int, default=3, help="updates; the last is reported")
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
@@ -155,10 +155,12 @@ def main() -> None:
         return
     from jaxrlhf.models.tiny import make_tiny_model
 
+    # Layers of 67 MB: large next to the transport's fixed 16 MiB chunk queue, as a real
+    # model's are (Llama 3.1 8B: ~870 MB per layer in float32).
     model = args.model or str(make_tiny_model(
-        REPO / ".cache" / "bench_publish_llama", arch="llama", hidden_size=512,
-        intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=8))  # fmt: skip
+        REPO / ".cache" / "bench_publish_llama_1024", arch="llama", hidden_size=1024,
+        intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=16))  # fmt: skip
     server = None
     address = args.address
     if not address:

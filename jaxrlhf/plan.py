@@ -36,11 +36,6 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
-_DEVICES = flags.DEFINE_integer("devices", 0, "Fake devices (0 = config.hardware.devices).")
-_MEMORY = flags.DEFINE_float(
-    "device_memory_gib", 0.0, "Memory per device in GiB (0 = config.hardware.device_memory_gib)."
-)
 GIB = 1 << 30
 
 
@@ -431,29 +426,40 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main(argv) -> None:
-    del argv
-    config = _CONFIG.value
-    if config is None:
-        raise app.UsageError("--config=configs/NAME.py is required")
-    from jaxrlhf.config import ConfigError, resolve, validate
+def main() -> None:
+    """The command line (flags defined here, not at import: `jaxrlhf.evaluate` and
+    `jaxrlhf.main` define `--config` too, and a process may import them all)."""
+    config_flag = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
+    devices_flag = flags.DEFINE_integer("devices", 0, "Fake devices (0: config.hardware.devices).")
+    memory_flag = flags.DEFINE_float(
+        "device_memory_gib", 0.0, "GiB per device (0: config.hardware.device_memory_gib)."
+    )
 
-    try:
-        validate(resolve(config))
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        sys.exit(2)
-    devices = _DEVICES.value or config.hardware.devices
-    memory_gib = _MEMORY.value or config.hardware.device_memory_gib
-    import jax
+    def run(argv) -> None:
+        del argv
+        config = config_flag.value
+        if config is None:
+            raise app.UsageError("--config=configs/NAME.py is required")
+        from jaxrlhf.config import ConfigError, resolve, validate
 
-    # Before the first use of a backend: fake CPU devices stand in for the accelerators.
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", devices)
-    result = plan(config, devices, int(memory_gib * GIB))
-    print("\n".join(report_lines(result)))
-    print(json.dumps(result), flush=True)
+        try:
+            validate(resolve(config))
+        except ConfigError as err:
+            print(f"config error: {err}", file=sys.stderr)
+            sys.exit(2)
+        devices = devices_flag.value or config.hardware.devices
+        memory_gib = memory_flag.value or config.hardware.device_memory_gib
+        import jax
+
+        # Before the first use of a backend: fake CPU devices stand in for the accelerators.
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", devices)
+        result = plan(config, devices, int(memory_gib * GIB))
+        print("\n".join(report_lines(result)))
+        print(json.dumps(result), flush=True)
+
+    app.run(run)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main()
