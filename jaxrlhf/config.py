@@ -9,6 +9,7 @@ work starts.
 from __future__ import annotations
 
 import math
+import sys
 
 import ml_collections
 
@@ -193,6 +194,16 @@ def model_options(model: ml_collections.ConfigDict, frozen: bool = False) -> dic
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def checked(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The config resolved and validated, or exit 2 with `config error: ...` (command lines)."""
+    try:
+        validate(resolve(config))
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return config
 
 
 def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

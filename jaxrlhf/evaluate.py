@@ -30,7 +30,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxrlhf.config import ConfigError, model_options, resolve, validate
+from jaxrlhf.config import checked, model_options
 from jaxrlhf.distributed import broadcast, driven_streams, is_driver, shard_global, to_host
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
@@ -238,11 +238,7 @@ def main(argv) -> None:
     config = _CONFIG.value
     if config is None or not _CHECKPOINT.value:
         raise app.UsageError("--config=configs/NAME.py and --checkpoint=DIR are required")
-    try:
-        validate(resolve(config))
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        sys.exit(2)
+    checked(config)
     try:
         step_dir = find_step_dir(_CHECKPOINT.value, _STEP.value)
     except FileNotFoundError as err:

@@ -11,7 +11,7 @@ import jax
 from absl import app, logging
 from ml_collections import config_flags
 
-from jaxrlhf.config import ConfigError, resolve, validate
+from jaxrlhf.config import checked
 from jaxrlhf.models.paths import resolve_model
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
@@ -23,11 +23,7 @@ def main(argv) -> None:
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config=configs/NAME.py is required")
-    try:
-        validate(resolve(config))
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        sys.exit(2)
+    checked(config)
     earlier = checkpoint_steps(Path(config.output_dir) / "checkpoints")
     if earlier and not config.resume:
         print(

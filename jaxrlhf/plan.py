@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 from typing import Any
 
 from absl import app, flags
@@ -440,13 +439,9 @@ def main() -> None:
         config = config_flag.value
         if config is None:
             raise app.UsageError("--config=configs/NAME.py is required")
-        from jaxrlhf.config import ConfigError, resolve, validate
+        from jaxrlhf.config import checked
 
-        try:
-            validate(resolve(config))
-        except ConfigError as err:
-            print(f"config error: {err}", file=sys.stderr)
-            sys.exit(2)
+        checked(config)
         devices = devices_flag.value or config.hardware.devices
         memory_gib = memory_flag.value or config.hardware.device_memory_gib
         import jax

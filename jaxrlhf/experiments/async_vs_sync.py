@@ -36,14 +36,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.experiments import config_file_for
 from jaxrlhf.experiments.runner import (
     PlannedRun,
-    Runner,
     add_runner_arguments,
     common_overrides,
     parse_passthrough,
     parse_seeds,
+    runner_from_args,
 )
 from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr, paired_difference, within
 
@@ -212,12 +211,7 @@ def _parse_args(argv: Sequence[str] | None):
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    runner = Runner(
-        config_file_for(args.model), out, "async_vs_sync", args.generator_addresses,
-        args.cpus_generator, args.rerun, args.report_only, args.keep_checkpoints,
-    )  # fmt: skip
+    runner, out = runner_from_args(args, "async_vs_sync")
     settings = {key: getattr(args, key) for key in (
         "seeds", "model", "steps", "eval_every", "vary", "last", "passthrough")}  # fmt: skip
 

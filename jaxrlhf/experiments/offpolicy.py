@@ -40,14 +40,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.experiments import config_file_for
 from jaxrlhf.experiments.runner import (
     PlannedRun,
-    Runner,
     add_runner_arguments,
     common_overrides,
     parse_passthrough,
     parse_seeds,
+    runner_from_args,
 )
 from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr
 
@@ -215,12 +214,7 @@ def _parse_args(argv: Sequence[str] | None):
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    runner = Runner(
-        config_file_for(args.model), out, "offpolicy", args.generator_addresses,
-        args.cpus_generator, args.rerun, args.report_only, args.keep_checkpoints,
-    )  # fmt: skip
+    runner, out = runner_from_args(args, "offpolicy")
     settings = {key: getattr(args, key) for key in (
         "losses", "mini_batches", "seeds", "model", "steps", "prompts_per_batch",
         "samples_per_prompt", "learning_rate", "last", "passthrough")}  # fmt: skip

@@ -181,6 +181,19 @@ class Runner:
             self.server = None
 
 
+def runner_from_args(args, name: str) -> tuple[Runner, Path]:
+    """The Runner of an experiment's command line (`add_runner_arguments`), and its folder."""
+    from jaxrlhf.experiments import config_file_for
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(
+        config_file_for(args.model), out, name, args.generator_addresses, args.cpus_generator,
+        args.rerun, args.report_only, args.keep_checkpoints,
+    )  # fmt: skip
+    return runner, out
+
+
 def add_runner_arguments(parser) -> None:
     """The command-line flags every experiment shares."""
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a model folder")
