@@ -68,6 +68,15 @@ class PeakSampler:
         self.peak = max(self.peak, rss_bytes())
 
 
+def _python_error(err: str) -> str:
+    """A failed process's Python traceback if it has one (else the end of its stderr), without
+    the native stack dump a dying jax.distributed process appends."""
+    lines = [line for line in err.splitlines() if not line.lstrip().startswith("@ ")]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    text = "\n".join(lines[starts[-1] :] if starts else lines)
+    return text[-3000:]
+
+
 def worker(args) -> None:
     """One learner process (argv: --worker ID)."""
     import jax
@@ -199,10 +208,15 @@ def main() -> None:
     finally:
         if server is not None:
             server.terminate()
+    failed = [
+        f"process {i} (exit {proc.returncode}):\n{_python_error(err)}"
+        for i, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True))
+        if proc.returncode != 0
+    ]
+    if failed:
+        sys.exit("learner process(es) failed:\n" + "\n".join(failed))
     results = []
-    for proc, (out, err) in zip(procs, outputs, strict=True):
-        if proc.returncode != 0:
-            sys.exit(f"a learner process failed:\n{err[-3000:]}")
+    for out, _ in outputs:
         results.append(json.loads(out.strip().splitlines()[-1]))
     for result in results:
         print(json.dumps(result))

@@ -18,13 +18,14 @@ In one process all of this reduces to plain single-host code.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrlhf.sharding import batch_sharding
 
@@ -84,16 +85,41 @@ def shard_global(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
 
 
 def to_host(array: jax.Array) -> np.ndarray:
-    """A (possibly multi-process) array whole on this host (a host array as it is)."""
+    """A (possibly multi-process) array whole on this host (a host array as it is).
+
+    An array no process can address whole is gathered so that each process holds it once,
+    split over its local devices along the first axis (not once per device, as a replicated
+    gather would: with fake CPU devices those copies are host memory), then copied into one
+    host array."""
     if isinstance(array, np.ndarray):
         return array
     if array.is_fully_addressable:
         return np.asarray(array)
     if array.is_fully_replicated:
         return np.asarray(array.addressable_data(0))
-    from jax.experimental import multihost_utils
+    gather = _gather_per_process(frozenset(array.sharding.device_set), array.shape[:1])
+    gathered = gather(array)
+    host = np.empty(array.shape, array.dtype)
+    copied = set()
+    for shard in gathered.addressable_shards:
+        key = tuple((s.start, s.stop) for s in shard.index)
+        if key not in copied:
+            copied.add(key)
+            host[shard.index] = np.asarray(shard.data)
+    return host
 
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+@functools.cache
+def _gather_per_process(devices: frozenset, leading: tuple[int, ...]) -> Callable:
+    """A jitted identity whose result each process holds whole: split over its local devices
+    along the first axis when they divide it, else replicated over them."""
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    processes = len({d.process_index for d in ordered})
+    grid = np.array(ordered).reshape(processes, len(ordered) // processes)
+    mesh = Mesh(grid, ("process", "local"))
+    split = bool(leading) and leading[0] % grid.shape[1] == 0
+    sharding = NamedSharding(mesh, PartitionSpec("local") if split else PartitionSpec())
+    return jax.jit(lambda x: x, out_shardings=sharding)
 
 
 _AGAIN, _DONE, _FAILED = 1, 0, 2

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.distributed import to_host
 from jaxrlhf.models import mapping
 from jaxrlhf.models.config import ModelConfig, config_from_hf, config_to_hf
 from jaxrlhf.models.safetensors_io import DTYPE_NAMES, SafetensorsFile, numpy_dtype, write_file
@@ -199,14 +200,6 @@ def params_from_hf(
     return mapping.unflatten(flat_params)
 
 
-def _to_host(array: jax.Array) -> np.ndarray:
-    if not array.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
-    return np.asarray(jax.device_get(array))
-
-
 def _on_one_cpu(array: jax.Array) -> bool:
     devices = array.sharding.device_set
     return len(devices) == 1 and next(iter(devices)).platform == "cpu"
@@ -220,21 +213,28 @@ def iter_hf_tensors(
     The arrays may be strided views (a kernel is its Flax array transposed): consumers copy
     each once, into a message, a file or a mapped region. Never a second copy of the model: a
     parameter on one CPU device is read in place (cast first, when `dtype` differs), any other
-    one (sharded, or on an accelerator) is copied to the host one per-layer slice at a time.
+    one (sharded, or on an accelerator) is cast on its devices and copied to the host one
+    per-layer slice at a time (`to_host`), the previous slice released first: a process of a
+    multi-process learner holds its own shards plus about one tensor.
     """
     flat = mapping.flatten(params)
     np_dtype = numpy_dtype(dtype) if dtype else None
     for rule in mapping.bound_rules(model.config, list(flat)):
         leaf = flat[rule.flax]
-        if np_dtype is not None and leaf.dtype != np_dtype:
-            leaf = leaf.astype(np_dtype)  # on the device: half the bytes to move for bf16
-        whole = np.asarray(leaf) if _on_one_cpu(leaf) else None  # a view of the device buffer
+        cast = np_dtype is not None and leaf.dtype != np_dtype
+        whole = None
+        if _on_one_cpu(leaf):  # a view of the device buffer
+            whole = np.asarray(leaf.astype(np_dtype) if cast else leaf)
         for i, name in enumerate(mapping.hf_names(rule, model.config.num_layers)):
             if whole is not None:
                 host = whole[i] if rule.per_layer else whole
             else:
-                host = _to_host(leaf[i] if rule.per_layer else leaf)
+                part = leaf[i] if rule.per_layer else leaf
+                # on the devices: half the bytes to move for bf16
+                host = to_host(part.astype(np_dtype) if cast else part)
+                del part
             yield name, rule.layout.to_hf(host)
+            del host
 
 
 def hf_tensor_specs(
