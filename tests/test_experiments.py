@@ -290,11 +290,12 @@ def test_offpolicy_report_from_run_folders(tmp_path, capsys):
     assert cell["seeds"] == 2 and cell["final_reward"] == pytest.approx((0.45 + 0.6) / 2)
     assert cell["test_accuracy_end"] == pytest.approx(0.305)  # 0.30 and 0.31
     assert cell["test_accuracy_end_stderr"] == pytest.approx(0.005)  # s = 0.00707, /sqrt 2
-    assert (cells["ppo", 1]["seeds"], cells["ppo", 1]["failed"]) == (0, 2)
+    ppo = cells["ppo", 1]  # never run: missing, not failed
+    assert (ppo["seeds"], ppo["failed"], ppo["missing"]) == (0, 0, 2)
     assert (tmp_path / "offpolicy.png").stat().st_size > 10_000
     table = capsys.readouterr().out
     assert "| online_dpo | 2 | 2 | 30.5 ± 0.5 | 50.0 ± 0.0 | 0.525 ± 0.000 |" in table
-    assert "| ppo | 1 | 0 (2 failed) | - |" in table
+    assert "| ppo | 1 | 0 (2 missing) | - |" in table
 
 
 def test_runs_are_reused_only_with_the_same_settings(tmp_path):

@@ -87,8 +87,10 @@ def aggregate(entries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for (loss, n), group in sorted(cells.items()):
         done = [e for e in group if e["status"] == "ok"]
+        failed = sum(str(e["status"]).startswith("failed") for e in group)
         row: dict[str, Any] = {"loss": loss, "num_mini_batches": n, "seeds": len(done),
-                               "failed": len(group) - len(done)}  # fmt: skip
+                               "failed": failed,
+                               "missing": len(group) - len(done) - failed}  # fmt: skip
         for key, _, _ in FIGURES + (("test_accuracy_start", "", 1.0),):
             values = [e[key] for e in done if e.get(key) is not None]
             row[key], row[f"{key}_stderr"] = mean_stderr(values)
@@ -111,7 +113,8 @@ def markdown_table(rows: Sequence[dict[str, Any]], last: int) -> str:
             format_mean_stderr(row[key], row[f"{key}_stderr"], scale, 1 if scale > 1 else 3)
             for key, _, scale in FIGURES
         ]
-        seeds = f"{row['seeds']}" + (f" ({row['failed']} failed)" if row["failed"] else "")
+        notes = [f"{row[k]} {k}" for k in ("failed", "missing") if row.get(k)]
+        seeds = f"{row['seeds']}" + (f" ({', '.join(notes)})" if notes else "")
         minutes = "-" if row["minutes_per_run"] is None else f"{row['minutes_per_run']:.1f}"
         lines.append(f"| {row['loss']} | {row['num_mini_batches']} | {seeds} | "
                      f"{' | '.join(cells)} | {row['staleness_max']} | {minutes} |")  # fmt: skip
