@@ -17,7 +17,7 @@ from generator_service.auth import (
     server_credentials,
 )
 from generator_service.engine import GIB, EngineConfig
-from generator_service.server import ServerOptions, serve
+from generator_service.server import EngineDiedError, ServerOptions, serve
 
 # What to change when the engine cannot start (out of memory is the usual cause).
 START_HINT = (
@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         asyncio.run(serve(engine_config, options))
+    except EngineDiedError as error:
+        print(f"error: the generator service stopped: {error}", file=sys.stderr, flush=True)
+        return 1
     except Exception as error:  # noqa: BLE001 - one line for the user, the trace is logged
         logging.exception("the generator service could not start or failed")
         print(f"error: the generator service stopped: {type(error).__name__}: {error}. "

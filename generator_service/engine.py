@@ -164,6 +164,11 @@ class GeneratorEngine:
         await self._llm.update_weight_version(str(self.policy_version))
 
     @property
+    def dead(self) -> bool:
+        """Whether vLLM's engine died (a worker or the engine core process is gone)."""
+        return self._llm.errored
+
+    @property
     def num_requests_running(self) -> int:
         return self._llm.get_num_unfinished_requests()
 

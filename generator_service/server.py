@@ -310,8 +310,23 @@ def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class EngineDiedError(RuntimeError):
+    """vLLM's engine died under a running server."""
+
+
+async def _watch_engine(engine: GeneratorEngine, stop: asyncio.Event, every: float = 1.0) -> None:
+    """Sets `stop` when the engine dies: a server whose engine is gone answers every call with
+    an error, so it leaves (exit 1) for its supervisor (or the learner) to restart it."""
+    while not stop.is_set():
+        if engine.dead:
+            stop.set()
+            return
+        await asyncio.sleep(every)
+
+
 async def serve(engine_config: EngineConfig, options: ServerOptions) -> None:
-    """Runs until SIGTERM/SIGINT, then drains calls for `shutdown_grace` seconds and exits."""
+    """Runs until SIGTERM/SIGINT, then drains calls for `shutdown_grace` seconds and exits; raises
+    `EngineDiedError` at once if vLLM's engine dies under it."""
     _keep_freed_memory()
     interceptors = [TokenAuthInterceptor(options.auth_token)] if options.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=list(CHANNEL_OPTIONS))
@@ -351,7 +366,17 @@ async def serve(engine_config: EngineConfig, options: ServerOptions) -> None:
             "token required" if options.auth_token else "no token",
         )
         print(f"{READY_LINE} {_bind_address(options.host, port)}", flush=True)
+        watchdog = asyncio.create_task(_watch_engine(engine, stop))
         await stop.wait()
+        if engine.dead:  # no call can succeed any more: exit, so that it can be restarted
+            logger.error("the vLLM engine died (see above); the service exits")
+            await health_servicer.enter_graceful_shutdown()
+            await server.stop(0)
+            raise EngineDiedError(
+                "the vLLM engine died while serving (a worker or the engine core was killed, "
+                "e.g. by the kernel's OOM killer; see the log above)"
+            )
+        watchdog.cancel()
         logger.info("shutting down: %.0fs grace for in-flight calls", options.shutdown_grace)
         await health_servicer.enter_graceful_shutdown()
         await server.stop(options.shutdown_grace)

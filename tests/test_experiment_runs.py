@@ -19,8 +19,8 @@ from tests.conftest import REPO
 QUICK = ["--config.task.num_eval=4", "--config.task.num_test=4", "--config.eval.at_start=false"]
 
 
-def run(args, timeout=600):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+def run(args, timeout=600, env=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", **(env or {}))
     result = subprocess.run(
         [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=timeout,
@@ -39,6 +39,24 @@ def test_offpolicy_experiment_runs(generator_address, tmp_path):
     assert all(math.isfinite(c["test_accuracy_end"]) for c in results["cells"])
     assert [r["staleness_max"] for r in results["runs"]] == [0, 1]
     assert "| rloo | 2 | 1 |" in out and (tmp_path / "offpolicy.png").exists()
+
+
+@pytest.mark.slow
+def test_an_experiment_replaces_its_dead_generator(tmp_path):
+    # The experiment starts its own service; a failpoint (read by that service from the
+    # inherited environment) SIGKILLs it in the middle of the run's first Generate. The run
+    # fails (no replica within 5 s), the runner starts a new service and runs it again.
+    failpoints = tmp_path / "failpoints"
+    failpoints.write_text("generate_completion 1 kill\n")
+    env = {"JAXRLHF_FAILPOINTS": str(failpoints), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    out = run(["-m", "jaxrlhf.experiments.offpolicy", "--model", "tiny", "--losses", "rloo",
+               "--mini-batches", "1", "--steps", "1", "--seeds", "0", "--out", str(tmp_path / "x"),
+               "--config.generator.no_replica_timeout_s=5", *QUICK], env=env)  # fmt: skip
+    assert not failpoints.exists()  # it fired
+    assert "the generator service died during the run: it is run again" in out
+    assert "the generator service exited; starting a new one" in out
+    results = json.loads((tmp_path / "x" / "results.json").read_text())
+    assert [(c["seeds"], c["failed"]) for c in results["cells"]] == [(1, 0)]
 
 
 @pytest.mark.slow

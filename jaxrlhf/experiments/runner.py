@@ -5,8 +5,9 @@ its `--config.KEY=VALUE` overrides), and `Runner.run_all` executes them: the fir
 needs a generator starts one service for the whole experiment (saving an engine start per run;
 each run publishes its initial weights first, since the service serves the previous run's), a
 run whose folder holds a finished run with the same overrides is reused, a failed run is
-recorded and the experiment goes on. Each run's figures (`run_figures`) come from its
-`metrics.jsonl` and `summary.json`.
+recorded and the experiment goes on. A service of the experiment's own that dies is replaced
+(at most `MAX_GENERATOR_RESTARTS` times), and a run it broke is run again. Each run's figures
+(`run_figures`) come from its `metrics.jsonl` and `summary.json`.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def finished_with(folder: Path, overrides: dict[str, Any]) -> bool:
     )
 
 
+MAX_GENERATOR_RESTARTS = 3
+
+
 class Runner:
     """Executes planned runs against one generator service (module docstring)."""
 
@@ -93,6 +97,7 @@ class Runner:
         self.rerun, self.report_only = rerun, report_only
         self.keep_checkpoints = keep_checkpoints
         self.server = None
+        self.generator_restarts = 0
 
     def needs_run(self, run: PlannedRun) -> bool:
         return not self.report_only and (self.rerun or not finished_with(run.folder, run.overrides))
@@ -142,17 +147,18 @@ class Runner:
         return entry
 
     def _execute(self, run: PlannedRun) -> tuple[int, float]:
-        if not self.address:
-            self.server = self._start_generator(run.overrides)
-            self.address = self.server.address
-        if self.server is not None and self.server.process.poll() is not None:
-            sys.exit(f"the generator service exited:\n{self.server.log_tail()}")
-        if run.folder.exists():
-            shutil.rmtree(run.folder)
-        command = main_command(
-            self.config_file, {**run.overrides, "generator.addresses": self.address}
-        )
-        returncode, seconds = run_main(command, run.folder / "run.log")
+        while True:
+            self._ensure_generator(run)
+            if run.folder.exists():
+                shutil.rmtree(run.folder)
+            command = main_command(
+                self.config_file, {**run.overrides, "generator.addresses": self.address}
+            )
+            returncode, seconds = run_main(command, run.folder / "run.log")
+            if returncode == 0 or not self._generator_died():
+                break
+            print(f"[{self.name}] the generator service died during the run: it is run again "
+                  f"on a new one", flush=True)  # fmt: skip
         if returncode == 0:
             (run.folder / SETTINGS_FILE).write_text(json.dumps(run.overrides, indent=2))
         else:
@@ -160,6 +166,25 @@ class Runner:
         if not self.keep_checkpoints:
             shutil.rmtree(run.folder / "checkpoints", ignore_errors=True)
         return returncode, seconds
+
+    def _generator_died(self) -> bool:
+        return self.server is not None and self.server.process.poll() is not None
+
+    def _ensure_generator(self, run: PlannedRun) -> None:
+        """Starts the experiment's service, or a new one when it died (at most
+        `MAX_GENERATOR_RESTARTS` times: one that keeps dying stops the experiment)."""
+        if self._generator_died():
+            tail = self.server.log_tail()
+            if self.generator_restarts >= MAX_GENERATOR_RESTARTS:
+                sys.exit(f"the generator service exited (restarted {self.generator_restarts} "
+                         f"times already):\n{tail}")  # fmt: skip
+            print(f"[{self.name}] the generator service exited; starting a new one:\n{tail}",
+                  flush=True)  # fmt: skip
+            self.generator_restarts += 1
+            self.server = self.address = None
+        if not self.address:
+            self.server = self._start_generator(run.overrides)
+            self.address = self.server.address
 
     def _start_generator(self, overrides: dict[str, Any]):
         """One service for every run, with the runs' engine settings."""
