@@ -4,9 +4,10 @@ vLLM runs its engine core (and its workers) as child processes of the server. Wh
 exits normally it stops them; when it is SIGKILLed or crashes, nothing told them, and the engine
 core kept running as an orphan, holding its memory (seen: ~670 MB, hours later). The server
 starts this reaper first (`python -m generator_service.reaper SERVER_PID`). It records the
-server's descendants every half second; once the server is gone (the reaper is re-parented), it
-SIGKILLs every recorded descendant still alive and exits. It ignores SIGINT and SIGTERM so that
-a signal meant for the server's terminal group cannot stop it before its work is done.
+server's descendants every half second (every process ever seen below it); once the server is
+gone (the reaper is re-parented), it SIGKILLs every recorded descendant still alive and exits.
+It ignores SIGINT and SIGTERM so that a signal meant for the server's terminal group cannot
+stop it before its work is done.
 """
 
 from __future__ import annotations
@@ -57,8 +58,13 @@ def reap(server_pid: int) -> int:
     Returns how many processes it killed."""
     me = os.getpid()
     recorded: set[tuple[int, int]] = set()
-    while os.getppid() == server_pid:
-        recorded = {p for p in descendants(server_pid) if p[0] != me}
+    while True:
+        seen = descendants(server_pid)
+        if os.getppid() != server_pid:
+            # The server died during that scan: its children were being re-parented, so the
+            # scan may have missed some; everything recorded before still counts.
+            break
+        recorded |= {p for p in seen if p[0] != me}  # (pid, start time): never a reused pid
         time.sleep(INTERVAL)
     killed = 0
     for pid, started in recorded:

@@ -196,7 +196,8 @@ class Runner:
         engine_args = ["--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
                        "--seed", str(gen.seed)]  # fmt: skip
         cpus = [int(c) for c in self.cpus_generator.split(",")] if self.cpus_generator else None
-        log = self.out / "generator.log"
+        log = self.out / ("generator.log" if not self.generator_restarts
+                          else f"generator-{self.generator_restarts}.log")  # fmt: skip
         print(f"[{self.name}] starting a generator service (log: {log})", flush=True)
         return start_server(resolve_model(config.model.path), log, engine_args, cpus=cpus)
 
