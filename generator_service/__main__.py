@@ -18,6 +18,7 @@ from generator_service.auth import (
 )
 from generator_service.engine import GIB, EngineConfig
 from generator_service.server import EngineDiedError, ServerOptions, serve
+from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
 
 # What to change when the engine cannot start (out of memory is the usual cause).
 START_HINT = (
@@ -45,6 +46,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the KV cache's size (default on CPU: a quarter of the free memory, 0.5-4 GiB; on "
         "GPUs: what --gpu-memory-utilization leaves)",
+    )
+    parser.add_argument(
+        "--swap-mode",
+        choices=SWAP_MODES,
+        default="drain",
+        help="drain: a weight swap waits for running calls to finish (a call never spans a swap); "
+        "in-flight: running requests pause, continue on the new weights, and report each "
+        "token's policy version",
+    )
+    parser.add_argument(
+        "--in-flight-kv",
+        choices=IN_FLIGHT_KV,
+        default="keep",
+        help="in-flight mode: keep the KV cache computed with older weights (default, as "
+        "PipelineRL) or recompute it with the new weights at every swap",
     )
     parser.add_argument("--seed", type=int, default=0, help="engine sampling seed")
     parser.add_argument("--max-num-seqs", type=int, default=None)
@@ -113,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
         staging_dir=args.staging_dir,
         kv_cache_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
+        swap_mode=args.swap_mode,
+        in_flight_kv=args.in_flight_kv,
     )
     options = ServerOptions(
         host=args.host,

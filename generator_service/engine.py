@@ -1,14 +1,34 @@
 """The vLLM engine of the service: validated requests in, version-tagged samples out, and swaps.
 
-One `AsyncLLM` serves every call (continuous batching across calls). Exact version tags come
-from the `VersionGate`: a Generate call enters between swaps, is tagged with the version live at
-that moment, and the swap waits until the engine has finished all of the call's requests. vLLM's
-own per-token weight-version spans are checked against the tag as a second line of defence.
+One `AsyncLLM` serves every call (continuous batching across calls). Every token is tagged with
+the version of the weights that sampled it, from vLLM's weight-version spans (the engine labels
+its weights with `update_weight_version` at every swap). Two swap modes (`SWAP_MODES`):
+
+- "drain": the `VersionGate` admits a Generate call between swaps and the swap waits until the
+  engine has finished all of the call's requests, so a call never spans a swap; the spans are
+  checked against the call's version as a second line of defence.
+- "in-flight": a call holds the gate only while its requests are handed to the engine. A swap
+  pauses the scheduler with running requests frozen in place (`pause_generation(mode="keep")`),
+  loads, relabels and resumes: they continue on the new weights. Their KV cache (`IN_FLIGHT_KV`)
+  is kept ("keep": entries computed with the older weights stay, as PipelineRL does) or
+  recomputed ("recompute": every running request is preempted and re-prefilled, prompt and
+  tokens so far, with the new weights).
+
+Seeded calls run alone in both modes; in "in-flight" mode a swap may still land in one, so
+its tokens depend on when the swap came (reproducible only between swaps).
+
+Prefix-cache entries never cross versions: every request's prompt is salted with the version it
+was submitted under (`cache_salt`), and the prefix cache is reset at every swap where nothing
+holds it. A swap that fails while loading leaves the weights in an unknown state: the engine
+then aborts every running request (in-flight mode) rather than continue it, and refuses new
+calls until a complete update succeeds. Updates that are refused (malformed, stale) are refused
+before the engine pauses, so running requests never notice them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -21,6 +41,7 @@ from pathlib import Path
 
 import grpc
 
+from generator_service import failpoints
 from generator_service.gate import VersionGate
 from generator_service.requests import GenerateError, Sampling, validate_request
 from generator_service.weights import (
@@ -29,6 +50,7 @@ from generator_service.weights import (
     WeightUpdateError,
     expected_tensors,
 )
+from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +75,17 @@ class EngineConfig:
     # The KV cache's size in bytes. None: on CPU, `default_cpu_kv_cache_bytes()` (unless
     # VLLM_CPU_KVCACHE_SPACE says otherwise); on GPUs, gpu_memory_utilization decides.
     kv_cache_bytes: int | None = None
+    # See the module docstring.
+    swap_mode: str = "drain"
+    in_flight_kv: str = "keep"
+
+    def __post_init__(self) -> None:
+        if self.swap_mode not in SWAP_MODES:
+            raise ValueError(f"swap mode must be one of {SWAP_MODES}, got {self.swap_mode!r}")
+        if self.in_flight_kv not in IN_FLIGHT_KV:
+            raise ValueError(
+                f"in-flight KV policy must be one of {IN_FLIGHT_KV}, got {self.in_flight_kv!r}"
+            )
 
 
 GIB = 1 << 30
@@ -71,6 +104,15 @@ def default_cpu_kv_cache_bytes() -> int:
 
 
 @dataclass(frozen=True)
+class _Request:
+    request_id: str
+    prompt_index: int
+    prompt_id: str
+    token_ids: list[int]
+    sample_index: int
+
+
+@dataclass(frozen=True)
 class Sample:
     prompt_index: int
     prompt_id: str
@@ -78,7 +120,60 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
-    policy_version: int
+    policy_version: int  # of the first token
+    token_policy_versions: list[int]  # of each token
+
+
+class Occupancy:
+    """How busy the engine was: seconds with no request generating (none running, or the
+    scheduler paused for a swap), and request-seconds (the number generating, integrated over
+    time), since the engine started."""
+
+    def __init__(self) -> None:
+        self._since = time.monotonic()
+        self._running = 0
+        self._paused = False
+        self.idle_seconds = 0.0
+        self.request_seconds = 0.0
+
+    def _advance(self) -> None:
+        now = time.monotonic()
+        elapsed, self._since = now - self._since, now
+        generating = 0 if self._paused else self._running
+        if generating == 0:
+            self.idle_seconds += elapsed
+        self.request_seconds += generating * elapsed
+
+    def started(self, count: int = 1) -> None:
+        self._advance()
+        self._running += count
+
+    def finished(self, count: int = 1) -> None:
+        self._advance()
+        self._running -= count
+
+    def paused(self, paused: bool) -> None:
+        self._advance()
+        self._paused = paused
+
+    def totals(self) -> tuple[float, float]:
+        """(idle seconds, request-seconds) up to now."""
+        self._advance()
+        return self.idle_seconds, self.request_seconds
+
+
+def token_versions(spans, num_tokens: int) -> list[int] | None:
+    """One version per token from vLLM's weight-version spans (None: spans missing, not
+    covering every token in order, or with a label that is not a version)."""
+    versions: list[int] = []
+    for span in spans or ():
+        if span.start != len(versions) or span.end < span.start:
+            return None
+        try:
+            versions += [int(span.version)] * (span.end - span.start)
+        except ValueError:
+            return None
+    return versions if len(versions) == num_tokens else None
 
 
 def _resolve_model_dir(model: str) -> Path | None:
@@ -158,6 +253,8 @@ class GeneratorEngine:
             self.weight_specs_error = f"weight updates are unavailable: {error}"
             logger.warning(self.weight_specs_error)
         self._gate = VersionGate()
+        self._calls = VersionGate()  # "in-flight" mode: seeded calls alone, without swaps
+        self.occupancy = Occupancy()
 
     async def start(self) -> None:
         """Labels the engine's weights with version 0 (vLLM's weight-version spans)."""
@@ -174,7 +271,7 @@ class GeneratorEngine:
 
     @property
     def num_calls_waiting(self) -> int:
-        return self._gate.readers_waiting
+        return self._gate.readers_waiting + self._calls.readers_waiting
 
     @property
     def swap_pending(self) -> bool:
@@ -204,6 +301,10 @@ class GeneratorEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
+    @property
+    def in_flight(self) -> bool:
+        return self.config.swap_mode == "in-flight"
+
     async def generate(
         self,
         prompts: Sequence[tuple[str, Sequence[int]]],
@@ -212,7 +313,8 @@ class GeneratorEngine:
     ) -> AsyncIterator[Sample]:
         """Yields samples in finishing order; call `validate` first.
 
-        `on_admitted(version)` runs once the call holds the gate and its requests are queued.
+        `on_admitted(version)` runs once the call's requests are in the engine, `version` the
+        one they were submitted under (in "drain" mode, that of every token).
         """
         params = self._sampling_params(sampling)
         queue: asyncio.Queue[Sample | None] = asyncio.Queue()
@@ -220,8 +322,16 @@ class GeneratorEngine:
 
         async def run_call() -> None:
             seeded = sampling.seed is not None
-            # A seeded call runs alone, so that nothing else draws from the re-seeded RNG.
-            async with self._gate.write() if seeded else self._gate.read():
+            # A seeded call runs alone, so that nothing else draws from the re-seeded RNG. In
+            # "drain" mode one gate orders calls and swaps; in "in-flight" mode calls hold the
+            # swap gate only while they are handed to the engine, and `_calls` orders them.
+            in_flight = self.in_flight
+            alone = seeded and not in_flight
+            calls = contextlib.nullcontext()
+            if in_flight:
+                calls = self._calls.write() if seeded else self._calls.read()
+            async with calls, contextlib.AsyncExitStack() as held:
+                await held.enter_async_context(self._gate.write() if alone else self._gate.read())
                 if not self.serving:
                     raise GenerateError(
                         grpc.StatusCode.UNAVAILABLE,
@@ -237,19 +347,22 @@ class GeneratorEngine:
                     async with asyncio.TaskGroup() as group:
                         for prompt_index, (prompt_id, token_ids) in enumerate(prompts):
                             for sample_index in range(sampling.n):
-                                group.create_task(
-                                    self._run_request(
-                                        queue, params, call_id, version,
-                                        prompt_index, prompt_id, list(token_ids), sample_index,
-                                    )
+                                request = _Request(
+                                    f"{call_id}-{prompt_index}-{sample_index}",
+                                    prompt_index, prompt_id, list(token_ids), sample_index,
                                 )  # fmt: skip
+                                collector = await self._submit(request, params, version)
+                                self.occupancy.started()
+                                group.create_task(self._collect(queue, request, collector, version))
                         if seeded:
-                            await self._wait_admitted(len(prompts) * sampling.n)
                             await self._llm.collective_rpc(
                                 "jaxrlhf_reseed", kwargs={"seed": sampling.seed % (1 << 63)}
                             )
                             await self._llm.resume_generation()
                             seeded = False
+                        if in_flight:
+                            # In the engine: a swap may now proceed under them.
+                            await held.aclose()
                         if on_admitted is not None:
                             await on_admitted(version)
                 finally:
@@ -269,58 +382,64 @@ class GeneratorEngine:
                 runner.cancel()
                 await asyncio.gather(runner, return_exceptions=True)
 
-    async def _wait_admitted(self, count: int, timeout: float = 60.0) -> None:
-        """Waits until `count` requests are queued in the engine."""
-        deadline = time.monotonic() + timeout
-        while self._llm.output_processor.get_num_unfinished_requests() < count:
-            if time.monotonic() > deadline:
-                raise GenerateError(grpc.StatusCode.INTERNAL, "requests were not admitted")
-            await asyncio.sleep(0.002)
-
-    async def _run_request(
-        self,
-        queue: asyncio.Queue,
-        params,
-        call_id: str,
-        version: int,
-        prompt_index: int,
-        prompt_id: str,
-        token_ids: list[int],
-        sample_index: int,
-    ) -> None:
+    async def _submit(self, request: _Request, params, version: int):
+        """Hands one request to the engine; returns vLLM's output collector for it. The prompt
+        is salted with `version`: prefix-cache entries of other versions never match it."""
         from vllm.inputs import tokens_input
 
-        request_id = f"{call_id}-{prompt_index}-{sample_index}"
+        prompt = tokens_input(request.token_ids, cache_salt=f"policy-{version}")
+        return await self._llm.add_request(request.request_id, prompt, params)
+
+    async def _collect(self, queue: asyncio.Queue, request: _Request, collector, version: int):
+        """Waits for the request's final output (as vLLM's `AsyncLLM.generate` does) and queues
+        its Sample; aborts the request if the call goes away first."""
         final = None
-        async for output in self._llm.generate(tokens_input(token_ids), params, request_id):
-            final = output
+        try:
+            while final is None or not final.finished:
+                final = collector.get_nowait() or await collector.get()
+        except asyncio.CancelledError:
+            await self._llm.abort(collector.request_id, internal=True)
+            raise
+        finally:
+            self.occupancy.finished()
+        queue.put_nowait(self._sample(request, final, version))
+
+    def _sample(self, request: _Request, final, version: int) -> Sample:
         if final is None or not final.outputs:
-            raise GenerateError(grpc.StatusCode.INTERNAL, f"no output for request {request_id}")
+            raise GenerateError(
+                grpc.StatusCode.INTERNAL, f"no output for request {request.request_id}"
+            )
         completion = final.outputs[0]
         if completion.finish_reason == "abort":
-            raise GenerateError(grpc.StatusCode.UNAVAILABLE, "the engine aborted the request")
-        spans = completion.weight_versions or []
-        if any(span.version != str(version) for span in spans):
-            # The gate makes this impossible; never hand out a wrongly tagged completion.
             raise GenerateError(
-                grpc.StatusCode.INTERNAL,
-                f"request {request_id} tagged version {version} ran on weight versions "
-                f"{[(s.version, s.start, s.end) for s in spans]}",
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine aborted the request"
+                + ("" if self.serving else " (a weight swap failed while it ran)"),
             )
         tokens = list(completion.token_ids)
-        step_logprobs = completion.logprobs or []
-        queue.put_nowait(
-            Sample(
-                prompt_index=prompt_index,
-                prompt_id=prompt_id,
-                sample_index=sample_index,
-                token_ids=tokens,
-                logprobs=[
-                    step[token].logprob for token, step in zip(tokens, step_logprobs, strict=True)
-                ],
-                finish_reason=completion.finish_reason or "",
-                policy_version=version,
+        spans = completion.weight_versions
+        versions = token_versions(spans, len(tokens))
+        allowed = (lambda v: v >= version) if self.in_flight else (lambda v: v == version)
+        if versions is None or not all(map(allowed, versions)):
+            # Never hand out a wrongly tagged completion: in "drain" mode the gate makes a
+            # mixed one impossible, and no token predates the version it was submitted under.
+            raise GenerateError(
+                grpc.StatusCode.INTERNAL,
+                f"request {request.request_id} submitted under version {version} ran on weight "
+                f"versions {[(s.version, s.start, s.end) for s in spans or ()]}",
             )
+        step_logprobs = completion.logprobs or []
+        return Sample(
+            prompt_index=request.prompt_index,
+            prompt_id=request.prompt_id,
+            sample_index=request.sample_index,
+            token_ids=tokens,
+            logprobs=[
+                step[token].logprob for token, step in zip(tokens, step_logprobs, strict=True)
+            ],
+            finish_reason=completion.finish_reason or "",
+            policy_version=versions[0] if versions else version,
+            token_policy_versions=versions,
         )
 
     async def swap_weights(
@@ -331,9 +450,12 @@ class GeneratorEngine:
         allow_rollback: bool = False,
     ) -> float:
         """Loads a validated, complete update staged in `staging_path` as `policy_version`;
-        returns the seconds generation was paused. Only the reload runs with the gate closed."""
+        returns the seconds the swap held generation back (in "drain" mode from when new calls
+        were held at the gate, through the drain and the load; in "in-flight" mode the load)."""
+        started = time.monotonic()
         async with self._gate.write():
-            return await self._reload(staging_path, tensors, policy_version, allow_rollback)
+            await self._reload(staging_path, tensors, policy_version, allow_rollback)
+        return time.monotonic() - started
 
     async def _reload(
         self,
@@ -341,26 +463,36 @@ class GeneratorEngine:
         tensors: list[StagedTensor],
         policy_version: int,
         allow_rollback: bool,
-    ) -> float:
+    ) -> None:
         if policy_version <= self.policy_version and not allow_rollback:
             raise WeightUpdateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"policy_version {policy_version} is not newer than the served version "
                 f"{self.policy_version}",
             )
-        started = time.monotonic()
-        # The gate already drained our calls; "wait" also covers anything else in the engine.
-        await self._llm.pause_generation(mode="wait")
+        # "drain": the gate already drained our calls; "wait" also covers anything else in the
+        # engine. "in-flight": running requests stay where they are, frozen.
+        await self._llm.pause_generation(
+            mode="keep" if self.in_flight else "wait", clear_cache=False
+        )
+        self.occupancy.paused(True)
         try:
             manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
             await self._llm.collective_rpc(
                 "jaxrlhf_reload_weights", kwargs={"path": staging_path, "tensors": manifest}
             )
-            await self._llm.reset_prefix_cache()
+            failpoints.hit("reload_weights")  # (chaos tests only)
+            recompute = self.in_flight and self.config.in_flight_kv == "recompute"
+            # With requests running and their KV kept, the reset finds blocks in use and does
+            # nothing; the salts keep the old entries from matching new requests.
+            await self._llm.reset_prefix_cache(reset_running_requests=recompute)
             await self._llm.update_weight_version(str(policy_version))
         except Exception as error:
             self.serving = False
             logger.exception("weight reload failed")
+            if self.in_flight:
+                # Running requests must not go on with weights in an unknown state.
+                await self._llm.pause_generation(mode="abort", clear_cache=False)
             raise WeightUpdateError(
                 grpc.StatusCode.INTERNAL,
                 f"the engine failed while loading policy_version {policy_version}: {error}; "
@@ -368,12 +500,12 @@ class GeneratorEngine:
                 "complete update succeeds",
             ) from error
         finally:
+            self.occupancy.paused(False)
             await self._llm.resume_generation()
         self.policy_version = policy_version
         self.serving = True
         self.num_updates += 1
         self.last_update_unix_time = time.time()
-        return time.monotonic() - started
 
     def shutdown(self) -> None:
         """Stops the engine processes. Drops our reference at once so that AsyncLLM.__del__

@@ -6,7 +6,9 @@ Off unless `$JAXRLHF_FAILPOINTS` names a file. Each line of that file arms one p
 - `generate_completion 2 kill`: SIGKILL this server as it is about to send the 2nd Generate
   completion since (in the middle of a call: the client has part of its answer);
 - `update_weights 3 stop`: SIGSTOP it (it hangs, alive) in its 3rd weight update since,
-  received and checked, before the swap.
+  received and checked, before the swap;
+- `reload_weights 1 fail`: make its next swap fail (raise) after the engine loaded the new
+  weights and before it relabels them: a swap that dies half-way.
 
 A point fires once: the file is deleted first, so a replica restarted with the same environment
 runs clean. The engine's processes go with a killed server (`generator_service.reaper`).
@@ -21,10 +23,14 @@ import signal
 from pathlib import Path
 
 ENV = "JAXRLHF_FAILPOINTS"
-POINTS = ("generate_completion", "update_weights")
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+POINTS = ("generate_completion", "update_weights", "reload_weights")
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "fail": None}
 
 logger = logging.getLogger(__name__)
+
+
+class FailpointError(RuntimeError):
+    """Raised at a point armed with the action `fail`."""
 
 
 _armed: tuple[int, str] | None = None  # (mtime, contents) of the file the counts are for
@@ -52,4 +58,6 @@ def hit(point: str) -> None:
             logger.warning("failpoint %s %s: %s", point, fields[1], fields[2])
             for handler in logging.getLogger().handlers:
                 handler.flush()
+            if ACTIONS[fields[2]] is None:
+                raise FailpointError(f"failpoint {point} {fields[1]} fail")
             os.kill(os.getpid(), ACTIONS[fields[2]])

@@ -92,6 +92,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     finish_reason=sample.finish_reason,
                     policy_version=sample.policy_version,
                     prompt_index=sample.prompt_index,
+                    token_policy_versions=sample.token_policy_versions,
                 )
         except GenerateError as error:
             await context.abort(error.code, error.message)
@@ -226,6 +227,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     async def GetStatus(self, request, context) -> generator_pb2.GeneratorStatus:
         engine = self._engine
+        idle_seconds, request_seconds = engine.occupancy.totals()
         return generator_pb2.GeneratorStatus(
             model=engine.config.model,
             policy_version=engine.policy_version,
@@ -241,6 +243,10 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             vllm_version=engine.vllm_version,
             swap_pending=engine.swap_pending,
             shared_weights_dir=engine.staging_dir if engine.weight_specs is not None else "",
+            swap_mode=engine.config.swap_mode,
+            in_flight_kv=engine.config.in_flight_kv if engine.in_flight else "",
+            idle_seconds=idle_seconds,
+            request_seconds=request_seconds,
         )
 
     async def _publish_health(self) -> None:
@@ -359,11 +365,13 @@ async def serve(engine_config: EngineConfig, options: ServerOptions) -> None:
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         await server.start()
         logger.info(
-            "serving %s on %s (%s, %s)",
+            "serving %s on %s (%s, %s, swaps: %s)",
             engine_config.model,
             _bind_address(options.host, port),
             "TLS" if options.tls else "plaintext",
             "token required" if options.auth_token else "no token",
+            engine_config.swap_mode
+            + (f", KV {engine_config.in_flight_kv}" if engine.in_flight else ""),
         )
         print(f"{READY_LINE} {_bind_address(options.host, port)}", flush=True)
         watchdog = asyncio.create_task(_watch_engine(engine, stop))

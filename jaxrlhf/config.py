@@ -16,6 +16,7 @@ import ml_collections
 from jaxrlhf.data.recipes import TASKS, VERIFIABLE
 from jaxrlhf.losses import LOSSES
 from jaxrlhf.train_state import micro_batch_count
+from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
 
 STAGES = ("sft", "reward", "rlhf")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -157,6 +158,14 @@ def base_config() -> ml_collections.ConfigDict:
         # How weights reach the generators: "auto" = through a shared-memory file when every
         # generator runs on this host, else streamed over gRPC; "stream"; "shared".
         weight_transport="auto",
+        # How a generator this run starts swaps weights (`python -m generator_service
+        # --swap-mode`): "drain" (a swap waits for running calls; a sample never spans one) or
+        # "in-flight" (running requests continue on the new weights: a sample's tokens may
+        # come from two versions, each with its own version and log-prob). in_flight_kv: "keep"
+        # the KV cache computed with older weights, or "recompute" it at each swap. Generators
+        # at `addresses` must run in this mode (checked at start).
+        swap_mode="drain",
+        in_flight_kv="keep",
         # Deadlines (seconds) of the calls to a replica; one that misses one is treated as
         # dead (its prompts fail over to the others). generate_timeout_s 0 = per call:
         # 30 s + rows x max_tokens / 50 (jaxrlhf.rl.pool.Timeouts).
@@ -245,6 +254,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"config.generator.weight_transport={config.generator.weight_transport!r}: "
         f"must be one of {transports}",
     )
+    for key, allowed in (("swap_mode", SWAP_MODES), ("in_flight_kv", IN_FLIGHT_KV)):
+        _require(
+            config.generator[key] in allowed,
+            f"config.generator.{key}={config.generator[key]!r}: must be one of {allowed}",
+        )
     for key in ("batch_size", "max_length"):
         _require(train[key] >= 1, f"config.train.{key}={train[key]}: must be >= 1")
     _require(train.learning_rate > 0, f"config.train.learning_rate={train.learning_rate}: > 0")

@@ -27,3 +27,7 @@ AUTH_HEADER = "authorization"
 # Initial metadata of every Generate call, sent once the call is admitted between weight swaps:
 # the policy version it runs on.
 ADMITTED_VERSION_HEADER = "x-jaxrlhf-policy-version"
+# How a server swaps weights under running requests (`--swap-mode`, GeneratorStatus.swap_mode)
+# and, in "in-flight" mode, what becomes of their KV cache (`--in-flight-kv`).
+SWAP_MODES = ("drain", "in-flight")
+IN_FLIGHT_KV = ("keep", "recompute")

@@ -185,6 +185,18 @@ class GeneratorPool:
         return {"generators_live": live, **{k: counts.get(k, 0) for k in
                 ("failures", "failovers", "restarts", "rejoins")}}  # fmt: skip
 
+    def occupancy(self) -> dict[str, tuple[float, float]]:
+        """(idle seconds, request-seconds) since start of each live replica (GetStatus; see
+        GeneratorStatus.idle_seconds), by target; a replica that does not answer is left out."""
+        out = {}
+        for replica in self._in(LIVE):
+            try:
+                status = replica.client.status(timeout=self.timeouts.status)
+            except grpc.RpcError:
+                continue
+            out[replica.target] = (status.idle_seconds, status.request_seconds)
+        return out
+
     def needs_weights(self) -> bool:
         """Whether a replica answers again and waits for the current weights (`rejoin`)."""
         return bool(self._in(REJOINING))
@@ -247,7 +259,8 @@ class GeneratorPool:
                     index = part[c.prompt_index]
                     by_prompt[index].append(Sample(index, c.sample_index, tuple(c.token_ids),
                                                    tuple(c.logprobs), c.finish_reason,
-                                                   c.policy_version))  # fmt: skip
+                                                   c.policy_version,
+                                                   tuple(c.token_policy_versions)))  # fmt: skip
                 for index, samples in by_prompt.items():
                     if sorted(s.sample_index for s in samples) == list(range(n)):
                         done[index] = samples

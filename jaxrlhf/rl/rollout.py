@@ -11,7 +11,9 @@ Batch i may be generated once the generator serves a policy version ≥ i − ma
 
 The producer is a thread that only waits on gRPC calls to the generator service (a separate
 process), so it does not compete with the learner for the GIL. Staleness is never assumed: every
-sample carries the version the service tagged it with.
+token carries the version of the weights that sampled it. With in-flight swaps (generator
+`--swap-mode in-flight`) a sample's tokens may come from several versions; the bound applies to
+its oldest token, the first.
 """
 
 from __future__ import annotations
@@ -38,7 +40,18 @@ class Sample:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
-    policy_version: int
+    policy_version: int  # of the first token
+    # Of each token (non-decreasing); () from a generator that does not report them: then every
+    # token is `policy_version`'s.
+    token_policy_versions: tuple[int, ...] = ()
+
+    @property
+    def token_versions(self) -> tuple[int, ...]:
+        return self.token_policy_versions or (self.policy_version,) * len(self.token_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.token_policy_versions, default=self.policy_version)
 
 
 @dataclasses.dataclass
@@ -60,7 +73,15 @@ class Rollout:
     def from_json(cls, data: dict[str, Any]) -> Rollout:
         prompts = [PromptItem(p["id"], tuple(p["token_ids"]), p["answer"]) for p in data["prompts"]]
         samples = [
-            Sample(**{**s, "token_ids": tuple(s["token_ids"]), "logprobs": tuple(s["logprobs"])})
+            Sample(
+                **{
+                    **s,
+                    **{
+                        key: tuple(s.get(key, ()))
+                        for key in ("token_ids", "logprobs", "token_policy_versions")
+                    },
+                }
+            )  # fmt: skip
             for s in data["samples"]
         ]
         return cls(
@@ -219,11 +240,11 @@ class RolloutProducer:
                 )
                 elapsed = time.perf_counter() - started
                 check_complete(index, samples, len(prompts), sampling.get("n", 1))
-                stale = [s.policy_version for s in samples if s.policy_version < required]
+                stale = [s.oldest_version for s in samples if s.oldest_version < required]
                 if stale:
                     raise RuntimeError(
                         f"batch {index} needs policy version >= {required} but the generator "
-                        f"answered with version {min(stale)}"
+                        f"answered with tokens of version {min(stale)}"
                     )
                 with self._cond:
                     self._ready.append(Rollout(index, prompts, samples, required, elapsed))

@@ -294,12 +294,45 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
     return RunResult(summary, records)
 
 
+def occupancy_metrics(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Over one step, averaged over the replicas that answered both times: generator_idle_s,
+    the seconds a replica generated nothing (no request, or paused for a swap), and
+    generator_requests_mean, how many requests it was generating on average."""
+    both = [target for target in after if target in before]
+    if not both or seconds <= 0:
+        return {}
+    idle = [after[t][0] - before[t][0] for t in both]
+    requests = [(after[t][1] - before[t][1]) / seconds for t in both]
+    return {
+        "generator_idle_s": float(np.mean(idle)),
+        "generator_requests_mean": float(np.mean(requests)),
+    }
+
+
+def staleness_metrics(rollout: Rollout, learner_version: int) -> dict[str, float]:
+    """How many versions behind `learner_version` (the parameters the update starts from) the
+    batch was sampled: staleness_mean/max per sample (its oldest token, the first), and
+    token_staleness_mean/max over every response token. mixed_version_fraction: the share of
+    samples whose tokens come from more than one version (in-flight swaps)."""
+    samples = rollout.samples
+    oldest = learner_version - np.array([s.oldest_version for s in samples])
+    tokens = learner_version - np.concatenate([np.asarray(s.token_versions) for s in samples])
+    return {
+        "staleness_mean": float(oldest.mean()),
+        "staleness_max": int(oldest.max()),
+        "token_staleness_mean": float(tokens.mean()) if tokens.size else 0.0,
+        "token_staleness_max": int(tokens.max()) if tokens.size else 0,
+        "mixed_version_fraction": float(np.mean([len(set(s.token_versions)) > 1 for s in samples])),
+    }
+
+
 def train_one_step(
     learner: Learner, producer, pool, task, cfg, version, base_version, sync_dtype
 ) -> dict[str, Any]:
     """One update of the loop: wait for the next batch, learn from it, publish when due."""
     t0 = time.perf_counter()
     before = pool.metrics() if pool is not None else {}
+    busy_before = pool.occupancy() if pool is not None else {}
     rollout = receive_batch(learner, producer, pool, version, sync_dtype)
     wait_s = time.perf_counter() - t0
     learned = learner.learn(rollout, task)
@@ -314,13 +347,14 @@ def train_one_step(
         if producer is not None:
             producer.publish(version)
         sync_s = stats.seconds if stats is not None else time.perf_counter() - published
-    staleness = (version - 1) - np.array([s.policy_version for s in rollout.samples])
+    staleness = staleness_metrics(rollout, version - 1)
     fleet = {}
     if pool is not None:  # the generators' health over this step (counts since the last step)
         after = pool.metrics()
         fleet = {"generators_live": after["generators_live"]}
         fleet |= {f"generator_{k}": after[k] - before[k]
                   for k in ("failures", "failovers", "restarts", "rejoins")}  # fmt: skip
+        fleet |= occupancy_metrics(busy_before, pool.occupancy(), time.perf_counter() - t0)
     return {
         "policy_version": version,
         **learned,
@@ -328,8 +362,7 @@ def train_one_step(
         "samples": len(rollout.samples),
         "prompt_ids": [p.id for p in rollout.prompts],  # the batch's, in the schedule's order
         **fleet,
-        "staleness_mean": float(staleness.mean()),
-        "staleness_max": int(staleness.max()),
+        **staleness,
         "generation_tokens_per_s": rollout.num_tokens / max(rollout.generate_seconds, 1e-9),
         "wait_for_generation_s": wait_s,
         "generate_s": rollout.generate_seconds,  # the Generate call of this batch, wall time

@@ -28,7 +28,8 @@ def generator_pool(config, model_path: Path, log):
     else:
         args = [
             "--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
-            "--seed", str(gen.seed),
+            "--seed", str(gen.seed), "--swap-mode", gen.swap_mode,
+            "--in-flight-kv", gen.in_flight_kv,
         ]  # fmt: skip
         cpus = [int(c) for c in gen.cpus.split(",")] if gen.cpus else None
 
@@ -51,12 +52,36 @@ def generator_pool(config, model_path: Path, log):
     )  # fmt: skip
     try:
         statuses = pool.wait_until_serving()
-        log(f"generator(s) serving: {', '.join(targets)} (version {statuses[0].policy_version})")
+        check_swap_mode(gen, targets, statuses)
+        mode = gen.swap_mode + (f", KV {gen.in_flight_kv}" if gen.swap_mode == "in-flight" else "")
+        log(f"generator(s) serving: {', '.join(targets)} (version {statuses[0].policy_version}; "
+            f"swaps: {mode})")  # fmt: skip
         yield pool
     finally:
         pool.close()
         for server in servers:
             server.terminate()
+
+
+def check_swap_mode(gen, targets, statuses) -> None:
+    """Raises ValueError naming each generator whose swap mode is not `generator.swap_mode`
+    (a generator older than swap modes reports none: it drains)."""
+    wrong = [
+        f"{target} swaps {status.swap_mode or 'drain'}"
+        + (f" (KV {status.in_flight_kv})" if status.in_flight_kv else "")
+        for target, status in zip(targets, statuses, strict=True)
+        if (status.swap_mode or "drain") != gen.swap_mode
+        or (gen.swap_mode == "in-flight" and status.in_flight_kv != gen.in_flight_kv)
+    ]
+    if wrong:
+        raise ValueError(
+            f"config.generator.swap_mode={gen.swap_mode!r}"
+            + (f" (in_flight_kv={gen.in_flight_kv!r})" if gen.swap_mode == "in-flight" else "")
+            + f" but {'; '.join(wrong)}: start them with `python -m generator_service "
+            f"--swap-mode {gen.swap_mode}"
+            + (f" --in-flight-kv {gen.in_flight_kv}`" if gen.swap_mode == "in-flight" else "`")
+            + " or set the config to match"
+        )
 
 
 def run(config, model_path: Path, log) -> dict:

@@ -128,6 +128,42 @@ class Reference:
                 )
         return tokens
 
+    def greedy_after_swap(
+        self,
+        old: dict[str, np.ndarray],
+        new: dict[str, np.ndarray],
+        prompt: list[int],
+        before: list[int],
+        max_new_tokens: int,
+        kv: str,
+    ) -> list[int]:
+        """Greedy tokens on `new` weights after `before` was generated on `old` ones, as an
+        in-flight swap continues a running request: "recompute", the whole prefix re-run with
+        the new weights; "keep", the KV cache of the prompt and of every token of `before` but
+        the last computed with the old weights (the last one, the next step's input, is run
+        with the new weights on top of it)."""
+        import torch
+
+        if kv == "recompute":
+            return self.greedy(new, list(prompt) + list(before), max_new_tokens)
+        assert kv == "keep" and before, kv
+        with torch.no_grad(), _torch_threads(1):
+            self._load(old)
+            past = self.model(
+                torch.tensor([list(prompt) + list(before[:-1])]), use_cache=True
+            ).past_key_values
+            self._load(new)
+            output = self.model(torch.tensor([[before[-1]]]), past_key_values=past, use_cache=True)
+            tokens: list[int] = []
+            for _ in range(max_new_tokens):
+                tokens.append(int(output.logits[0, -1].argmax()))
+                output = self.model(
+                    torch.tensor([[tokens[-1]]]),
+                    past_key_values=output.past_key_values,
+                    use_cache=True,
+                )
+        return tokens
+
     def logprobs(
         self,
         tensors: dict[str, np.ndarray],

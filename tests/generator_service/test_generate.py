@@ -22,6 +22,7 @@ def test_status_describes_the_served_model(client, tiny_llama):
     assert status.dtype == "float32"
     assert status.serving
     assert status.num_weight_tensors == 20  # 2 layers x 9 + embedding + final norm; lm_head tied
+    assert (status.swap_mode, status.in_flight_kv) == ("drain", "")  # the default
 
 
 def test_completions_before_any_update_carry_version_0_and_match_transformers(served, reference):

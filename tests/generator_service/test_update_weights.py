@@ -232,6 +232,8 @@ def test_update_during_a_long_generation_never_mixes_versions(client, served, re
 
     long = sorted(results["long"], key=lambda completion: completion.prompt_index)
     assert [c.policy_version for c in long] == [old_version] * len(long_prompts)
+    for completion in long:  # drain mode: every token of it too
+        assert list(completion.token_policy_versions) == [old_version] * 240
     for completion, prompt in zip(long, long_prompts, strict=True):
         assert list(completion.token_ids) == reference.greedy(old, prompt, 240)
     assert results["update"].policy_version == old_version + 1

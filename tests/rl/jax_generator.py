@@ -74,6 +74,9 @@ class JaxGenerator:
         return {"generators_live": 1, "failures": 0, "failovers": 0, "restarts": 0,
                 "rejoins": 0}  # fmt: skip
 
+    def occupancy(self) -> dict[str, tuple[float, float]]:
+        return {}  # generates in the learner's thread: no idle time of its own to report
+
     def wait_until_serving(self, timeout: float = 0.0) -> list[Any]:
         return [types.SimpleNamespace(policy_version=self.version, model=str(self.model_dir))]
 

@@ -63,3 +63,58 @@ def test_a_narrower_batch_gives_the_policy_the_same_logprobs(tiny_llama):
     assert prompt_width(batch, 64, 16) == 16
     for a, b in zip(narrow, full, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def mixed_rollout() -> Rollout:
+    """Two samples of one prompt generated across an in-flight swap from version 3 to 4: the
+    first sampled 2 tokens on 3 and 2 on 4, the second all 3 on 4."""
+    samples = [
+        Sample(0, 0, (11, 12, 13, 14), (-0.5, -1.0, -0.25, -2.0), "stop", 3, (3, 3, 4, 4)),
+        Sample(0, 1, (15, 16, 17), (-0.1, -0.2, -0.3), "stop", 4, (4, 4, 4)),
+    ]
+    return Rollout(0, [PromptItem("0", (5, 6))], samples, 3, 0.0)
+
+
+def test_staleness_is_measured_per_sample_and_per_token():
+    from jaxrlhf.rl.trainer import staleness_metrics
+
+    batch = mixed_rollout()
+    assert [s.oldest_version for s in batch.samples] == [3, 4]
+    # The learner trains this batch from version 5: samples 2 and 1 versions behind (oldest
+    # token); tokens 2, 2, 1, 1 and 1, 1, 1.
+    metrics = staleness_metrics(batch, 5)
+    assert metrics == {
+        "staleness_mean": 1.5,
+        "staleness_max": 2,
+        "token_staleness_mean": pytest.approx(9 / 7),
+        "token_staleness_max": 2,
+        "mixed_version_fraction": 0.5,
+    }
+    # A generator that reports no per-token versions: every token is the sample's version.
+    old = Sample(0, 0, (1, 2), (-1.0, -1.0), "stop", 2)
+    assert old.token_versions == (2, 2) and old.oldest_version == 2
+    assert Rollout.from_json(batch.to_json()).samples == batch.samples
+
+
+def test_truncated_is_weights_take_each_tokens_own_behaviour_logprob():
+    """Across a swap, each token's behaviour log-prob is the one of the weights that sampled
+    it: the per-token weight min(π_old/π_sampler, cap) and the sequence weight use them."""
+    from jaxrlhf.losses import LossInputs
+
+    batch = mixed_rollout()
+    arrays = rollout_arrays(batch, PAD, 2, 4)
+    learner = np.zeros_like(arrays.sampler_logprobs)
+    learner[0, 1:5] = [-0.4, -1.5, -0.25, -1.0]  # π_old of sample 0's tokens
+    learner[1, 1:4] = [-0.1, -0.2, -0.3]
+    inputs = LossInputs(
+        arrays.input_ids, arrays.attention_mask, arrays.loss_mask, np.zeros(2), 2,
+        arrays.sampler_logprobs, learner,
+    )  # fmt: skip
+    cap = 2.0
+    token = inputs.importance_weights(cap, per="token")
+    sampler = np.array([-0.5, -1.0, -0.25, -2.0])
+    expected = np.minimum(np.exp(np.array([-0.4, -1.5, -0.25, -1.0]) - sampler), cap)
+    np.testing.assert_allclose(token[0, 1:5], expected, rtol=1e-6)
+    np.testing.assert_allclose(token[1, 1:4], 1.0, rtol=1e-6)
+    sequence = inputs.importance_weights(cap, per="sequence")
+    np.testing.assert_allclose(sequence, [min(np.exp(-3.15 - -3.75), cap), 1.0], rtol=1e-5)

@@ -1,0 +1,237 @@
+"""In-flight weight swaps against a real engine (`--swap-mode in-flight`), per KV-cache policy.
+
+A long greedy generation runs while an update lands: its tokens switch version exactly once,
+the tokens before the switch are transformers' greedy tokens on the old weights and the tokens
+after it transformers' greedy tokens on the new weights given the prefix (with the KV cache
+recomputed, or kept as the engine keeps it: `Reference.greedy_after_swap`), each token's
+log-prob is that of the weights that sampled it, and UpdateWeights returns before the
+generation ends. A refused update and a swap that fails half-way never let a running request
+continue on anything but the old weights. A client built from the .proto alone sees the
+per-token versions.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from jaxrlhf_wire.build import PROTO_PATH
+from jaxrlhf_wire.chunks import iter_weight_chunks
+from tests.generator_service.test_update_weights import perturbed
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+# 40 tokens: more than two KV blocks of 16, so a request sharing it could reuse cached blocks.
+LONG_PROMPT = list(range(5, 45))
+# Run beside it: slower steps, so that the update lands well inside the generation.
+FILLERS = [[11, 12, 13], [100, 101], [7, 8, 9, 10], [50, 51, 52], [300, 301], [3, 2, 1, 0, 4]]
+MAX_TOKENS = 200
+
+
+class Server:
+    """A server of this module's own, and the weights it serves."""
+
+    def __init__(self, process, client, tensors, failpoints: Path):
+        self.process, self.client, self.failpoints = process, client, failpoints
+        self.version, self.tensors = 0, tensors
+
+    def push(self, tensors: dict[str, np.ndarray]):
+        response = self.client.update_weights(tensors, self.version + 1, chunk_bytes=1 << 16)
+        self.version, self.tensors = response.policy_version, tensors
+        return response
+
+
+@pytest.fixture(scope="module", params=["recompute", "keep"])
+def in_flight(request, tiny_llama, tmp_path_factory, start_generator_server):
+    from safetensors.numpy import load_file
+
+    from jaxrlhf.rpc import GeneratorClient
+
+    kv = request.param
+    folder = tmp_path_factory.mktemp(f"in-flight-{kv}")
+    failpoints = folder / "failpoints"
+    process = start_generator_server(
+        tiny_llama, folder / "server.log",
+        ["--swap-mode", "in-flight", "--in-flight-kv", kv],
+        env={"JAXRLHF_FAILPOINTS": str(failpoints)},
+    )  # fmt: skip
+    client = GeneratorClient(process.address)
+    server = Server(process, client, load_file(tiny_llama / "model.safetensors"), failpoints)
+    server.kv = kv
+    # The engine's first reload is slow (~2 s, set-up); later ones take milliseconds.
+    server.push(perturbed(server.tensors, seed=10))
+    # How long the long call takes undisturbed (warm): updates are sent a third of the way in.
+    for _ in range(2):
+        started = time.monotonic()
+        _greedy(client, [LONG_PROMPT, *FILLERS])
+        server.long_seconds = time.monotonic() - started
+    yield server
+    client.close()
+    process.terminate()
+
+
+def _greedy(client, prompts, max_tokens=MAX_TOKENS) -> list:
+    completions = client.generate(prompts, max_tokens=max_tokens, temperature=0.0,
+                                  ignore_eos=True)  # fmt: skip
+    return sorted(completions, key=lambda completion: completion.prompt_index)
+
+
+def _during_long_generation(server, action):
+    """Runs `action()` once the long greedy call (LONG_PROMPT beside FILLERS) is generating;
+    returns (completions or the RpcError that ended the call, action's result, whether the
+    action returned before the call ended)."""
+    results: dict[str, object] = {}
+
+    def long_call() -> None:
+        try:
+            results["long"] = _greedy(server.client, [LONG_PROMPT, *FILLERS])
+        except grpc.RpcError as error:
+            results["long"] = error
+        results["long_done"] = time.monotonic()
+
+    thread = threading.Thread(target=long_call)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.client.status().num_requests_running < 1 + len(FILLERS):
+        assert time.monotonic() < deadline, "the long call never ran"
+        time.sleep(0.002)
+    time.sleep(server.long_seconds / 3)
+    outcome = action()
+    returned = time.monotonic()
+    thread.join(timeout=300)
+    return results["long"], outcome, returned < results["long_done"]
+
+
+def test_status_reports_the_mode(in_flight):
+    status = in_flight.client.status()
+    assert (status.swap_mode, status.in_flight_kv) == ("in-flight", in_flight.kv)
+    assert status.idle_seconds > 0 and status.request_seconds >= 0
+
+
+def test_a_swap_lands_in_a_running_generation(in_flight, reference):
+    old, old_version = in_flight.tensors, in_flight.version
+    new = perturbed(old, seed=11)
+    completions, response, early = _during_long_generation(in_flight, lambda: in_flight.push(new))
+    assert response.policy_version == old_version + 1
+    assert early, "UpdateWeights must return before the running generation finishes"
+
+    for completion, prompt in zip(completions, [LONG_PROMPT, *FILLERS], strict=True):
+        tokens, versions = list(completion.token_ids), list(completion.token_policy_versions)
+        assert len(tokens) == len(versions) == len(completion.logprobs) == MAX_TOKENS
+        switch = versions.index(old_version + 1)  # ValueError: the swap missed this request
+        assert 0 < switch < MAX_TOKENS
+        assert versions == [old_version] * switch + [old_version + 1] * (MAX_TOKENS - switch)
+        assert completion.policy_version == old_version  # of the first token
+        before, after = tokens[:switch], tokens[switch:]
+        assert before == reference.greedy(old, prompt, switch)
+        assert after == reference.greedy_after_swap(old, new, prompt, before, len(after),
+                                                    in_flight.kv)  # fmt: skip
+        if in_flight.kv == "recompute":
+            # Each token's log-prob is that of the weights that sampled it.
+            np.testing.assert_allclose(
+                completion.logprobs[:switch], reference.logprobs(old, prompt, before, 1.0),
+                atol=2e-3,
+            )  # fmt: skip
+            np.testing.assert_allclose(
+                completion.logprobs[switch:],
+                reference.logprobs(new, prompt + before, after, 1.0), atol=2e-3,
+            )  # fmt: skip
+
+    # A new request never reuses prefix-cache entries computed with the old weights: the same
+    # 40-token prompt now gives the new weights' greedy tokens exactly.
+    (late,) = _greedy(in_flight.client, [LONG_PROMPT], max_tokens=16)
+    assert list(late.token_policy_versions) == [old_version + 1] * 16
+    assert list(late.token_ids) == reference.greedy(new, LONG_PROMPT, 16)
+
+
+def test_a_refused_update_leaves_running_requests_on_the_old_weights(in_flight, reference):
+    old, version = in_flight.tensors, in_flight.version
+    chunks = list(iter_weight_chunks(perturbed(old, seed=12), version + 1, 1 << 14))
+    truncated = chunks[:-1]
+
+    def refused():
+        with pytest.raises(grpc.RpcError) as error:
+            in_flight.client.stub.UpdateWeights(iter(truncated))
+        return error.value.code()
+
+    completions, code, _ = _during_long_generation(in_flight, refused)
+    assert code == grpc.StatusCode.DATA_LOSS
+    for completion, prompt in zip(completions, [LONG_PROMPT, *FILLERS], strict=True):
+        assert list(completion.token_policy_versions) == [version] * MAX_TOKENS
+        assert list(completion.token_ids) == reference.greedy(old, prompt, MAX_TOKENS)
+    assert in_flight.client.status().policy_version == version
+
+
+def test_a_swap_failing_half_way_aborts_running_requests(in_flight, reference):
+    """The engine loaded part of an update, then failed: what it serves is unknown, so running
+    requests end (UNAVAILABLE) instead of going on, and new calls are refused until a complete
+    update succeeds."""
+    version = in_flight.version
+    in_flight.failpoints.write_text("reload_weights 1 fail\n")
+
+    def failing_push():
+        with pytest.raises(grpc.RpcError) as error:
+            in_flight.push(perturbed(in_flight.tensors, seed=13))
+        return error.value
+
+    ended, error, _ = _during_long_generation(in_flight, failing_push)
+    assert not in_flight.failpoints.exists(), "the failpoint never fired"
+    assert error.code() == grpc.StatusCode.INTERNAL and "unknown state" in error.details()
+    assert isinstance(ended, grpc.RpcError), "a running request went on after a failed swap"
+    assert ended.code() == grpc.StatusCode.UNAVAILABLE
+    status = in_flight.client.status()
+    assert (status.serving, status.policy_version) == (False, version)
+    with pytest.raises(grpc.RpcError) as refused:
+        _greedy(in_flight.client, [LONG_PROMPT], max_tokens=4)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    new = perturbed(in_flight.tensors, seed=14)
+    in_flight.push(new)
+    assert in_flight.client.status().serving
+    (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
+    assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
+
+
+CLIENT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import grpc
+import generator_pb2, generator_pb2_grpc
+
+stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(sys.argv[2]))
+request = generator_pb2.GenerateRequest(
+    prompts=[generator_pb2.Prompt(id="p", token_ids=[5, 6, 7])],
+    sampling=generator_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=9),
+)
+for completion in stub.Generate(request):
+    print(len(completion.token_ids), len(completion.token_policy_versions),
+          completion.policy_version, min(completion.token_policy_versions))
+"""
+
+
+def test_a_client_built_from_the_proto_alone_sees_token_versions(in_flight, tmp_path):
+    # As a user of another codebase would: protoc on the .proto, nothing of this repository.
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_PATH.parent}",
+         f"--python_out={stubs}", f"--grpc_python_out={stubs}", str(PROTO_PATH)],
+        check=True, cwd=tmp_path,
+    )  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", CLIENT, str(stubs), in_flight.process.address],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert len(rows) == 2
+    for tokens, versions, first, oldest in rows:
+        assert tokens == versions == "9"
+        assert first == oldest == str(in_flight.version)
