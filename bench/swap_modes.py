@@ -1,18 +1,20 @@
 """Drain vs in-flight weight swaps on a generation-bound workload, side by side.
 
     python bench/swap_modes.py                       # tiny Llama, 96-token responses, 10 updates
-    python bench/swap_modes.py --repeats 3           # 3 runs per mode, alternating order
+    python bench/swap_modes.py --repeats 3           # 3 runs per variant, alternating order
     python bench/swap_modes.py --analyze-only        # recompute from the runs in --out
 
 The same asynchronous run (`configs/tiny.py`, or `--model`: one step off-policy, weights
 published after every update, long responses so that generating a batch takes longer than
-learning from one: g > t) is run with its generator started in each swap mode
-(`generator.swap_mode=drain` / `in-flight`, `python -m generator_service --swap-mode`). The
+learning from one: g > t) is run with its generator started in each variant (`--variants`):
+`drain`, `in-flight-keep` and `in-flight-recompute` (`generator.swap_mode`,
+`generator.in_flight_kv`; `python -m generator_service --swap-mode --in-flight-kv`). The
 generator is pinned to `--cpus-generator`, the learner to `--cpus-learner`. Each run is a plain
-`python -m jaxrlhf.main` in `{out}/{mode}-{repeat}` (what an earlier invocation left there is
-deleted first); runs alternate the order of the modes from one repeat to the next.
+`python -m jaxrlhf.main` in `{out}/{variant}-{repeat}` (what an earlier invocation left there is
+deleted first); the order of the variants rotates from one repeat to the next.
 
-Per run, means over the steady-state steps `warmup+1 .. steps` of metrics.jsonl:
+Per run, means over the steady-state steps `warmup+1 .. steps-1` of metrics.jsonl (the last
+step is left out: no batch is generated after it, so its publish never waits in any mode):
 
 - time per update: step_s;
 - learner idle: wait_for_generation_s (waiting for the next batch) + weight_sync_s (the publish,
@@ -22,8 +24,8 @@ Per run, means over the steady-state steps `warmup+1 .. steps` of metrics.jsonl:
   generator_requests_mean, the requests it was generating on average;
 - token staleness: token_staleness_mean, and mixed_version_fraction (samples that span a swap).
 
-Over repeats: mean ± standard error of the per-run means, and the in-flight/drain ratio of the
-means. Prints one JSON line, then a table; writes the JSON to `{out}/results.json`. Extra
+Over repeats: mean ± standard error of the per-run means, and each variant's ratio of means to
+drain's. Prints one JSON line, then a table; writes the JSON to `{out}/results.json`. Extra
 `--config.KEY=VALUE` arguments go to every run.
 """
 
@@ -39,7 +41,11 @@ from typing import Any
 
 from jaxrlhf.experiments import config_file_for, log_tail, main_command, read_run, run_main
 
-MODES = ("drain", "in-flight")
+VARIANTS = {  # name -> (generator.swap_mode, generator.in_flight_kv)
+    "drain": ("drain", "keep"),
+    "in-flight-keep": ("in-flight", "keep"),
+    "in-flight-recompute": ("in-flight", "recompute"),
+}
 FIGURES = (
     ("time per update (s)", "step_s"),
     ("learner idle (s)", "learner_idle_s"),
@@ -55,8 +61,9 @@ FIGURES = (
 
 
 def run_figures(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
-    window = [r for r in records if r["step"] > warmup]
-    if len(window) < 2:
+    last = max(r["step"] for r in records)
+    window = [r for r in records if warmup < r["step"] < last]
+    if not window:
         raise ValueError(f"{len(records)} steps with --warmup={warmup}: run at least warmup + 2")
     out = {}
     for _, key in FIGURES:
@@ -69,7 +76,7 @@ def run_figures(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
 
 
 def summarize(per_run: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
-    """Mean and standard error over the runs of each mode, and in-flight / drain."""
+    """Mean and standard error over the runs of each variant, and its ratio to drain's."""
     out: dict[str, Any] = {}
     for mode, runs in per_run.items():
         out[mode] = {}
@@ -82,11 +89,16 @@ def summarize(per_run: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
                 else float("nan")
             )
             out[mode][key] = {"mean": mean, "stderr": spread, "runs": values}
-    out["ratio"] = {
-        key: out["in-flight"][key]["mean"] / out["drain"][key]["mean"]
-        if out["drain"][key]["mean"]
-        else float("nan")
-        for _, key in FIGURES
+    drain = out["drain"]
+    out["ratio_to_drain"] = {
+        variant: {
+            key: out[variant][key]["mean"] / drain[key]["mean"]
+            if drain[key]["mean"]
+            else float("nan")
+            for _, key in FIGURES
+        }
+        for variant in per_run
+        if variant != "drain"
     }
     return out
 
@@ -97,20 +109,25 @@ def table(result: dict[str, Any]) -> str:
             return f"{figure['mean']:.3f}"
         return f"{figure['mean']:.3f} ± {figure['stderr']:.3f}"
 
-    lines = [f"{'':<28}{'drain':>18}{'in-flight':>18}{'in-flight/drain':>17}"]
+    variants = [v for v in VARIANTS if v in result]
+    lines = [f"{'':<28}" + "".join(f"{v:>21}" for v in variants)]
     for label, key in FIGURES:
+        lines.append(f"{label:<28}" + "".join(f"{cell(result[v][key]):>21}" for v in variants))
+    for variant, ratios in result["ratio_to_drain"].items():
         lines.append(
-            f"{label:<28}{cell(result['drain'][key]):>18}{cell(result['in-flight'][key]):>18}"
-            f"{result['ratio'][key]:>17.3f}"
+            f"{variant} / drain: time per update {ratios['step_s']:.3f}, learner idle "
+            f"{ratios['learner_idle_s']:.3f}, generator idle {ratios['generator_idle_s']:.3f}, "
+            f"token staleness {ratios['token_staleness_mean']:.3f}"
         )
     return "\n".join(lines)
 
 
-def overrides_for(args, mode: str, folder: Path) -> dict[str, Any]:
+def overrides_for(args, variant: str, folder: Path) -> dict[str, Any]:
+    swap_mode, in_flight_kv = VARIANTS[variant]
     overrides: dict[str, Any] = {
         "output_dir": str(folder),
-        "generator.swap_mode": mode,
-        "generator.in_flight_kv": args.in_flight_kv,
+        "generator.swap_mode": swap_mode,
+        "generator.in_flight_kv": in_flight_kv,
         "max_staleness": args.max_staleness,
         "sync_every": 1,
         "num_mini_batches": 0,
@@ -142,7 +159,9 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--max-response-tokens", type=int, default=96)
     parser.add_argument("--prompts-per-batch", type=int, default=8)
-    parser.add_argument("--in-flight-kv", default="keep", choices=("keep", "recompute"))
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)}; drain first"
+    )
     parser.add_argument("--cpus-generator", default="1")
     parser.add_argument("--cpus-learner", default="0")
     parser.add_argument("--out", default="runs/swap_modes", help="folder for the runs")
@@ -154,21 +173,25 @@ def main() -> None:
     passthrough = dict(a.removeprefix("--config.").split("=", 1) for a in extra)
     out = Path(args.out).resolve()
     config_file = config_file_for(args.model)
-    per_run: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if variants[:1] != ["drain"] or not set(variants) <= set(VARIANTS):
+        parser.error(f"--variants: drain first, then any of {list(VARIANTS)[1:]}")
+    per_run: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
     for repeat in range(args.repeats):
-        for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
-            folder = out / f"{mode}-{repeat}"
+        shift = repeat % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            folder = out / f"{variant}-{repeat}"
             log = folder / "run.log"
             if not args.analyze_only:
                 shutil.rmtree(folder, ignore_errors=True)
-                print(f"[swap_modes] {mode} run {repeat + 1}/{args.repeats}, log: {log}",
+                print(f"[swap_modes] {variant} run {repeat + 1}/{args.repeats}, log: {log}",
                       flush=True)  # fmt: skip
-                overrides = {**overrides_for(args, mode, folder), **passthrough}
+                overrides = {**overrides_for(args, variant, folder), **passthrough}
                 returncode, _ = run_main(main_command(config_file, overrides), log)
                 if returncode != 0:
-                    sys.exit(f"the {mode} run failed ({returncode}):\n{log_tail(log)}")
+                    sys.exit(f"the {variant} run failed ({returncode}):\n{log_tail(log)}")
             records, _ = read_run(folder)
-            per_run[mode].append(run_figures(records, args.warmup))
+            per_run[variant].append(run_figures(records, args.warmup))
     result = {
         "model": args.model,
         "steps": args.steps,
@@ -177,7 +200,7 @@ def main() -> None:
         "max_staleness": args.max_staleness,
         "max_response_tokens": args.max_response_tokens,
         "prompts_per_batch": args.prompts_per_batch,
-        "in_flight_kv": args.in_flight_kv,
+        "variants": variants,
         **summarize(per_run),
     }
     (out / "results.json").write_text(json.dumps(result, indent=2))

@@ -1,10 +1,12 @@
-"""A writer-preferring readers/writer gate that makes version tags exact.
+"""A writer-preferring readers/writer gate that orders Generate calls and weight swaps.
 
 Readers are Generate calls: a call enters, reads the live policy version, submits its requests
-to the engine and leaves when the engine has finished all of them. The writer is a weight swap:
-once it asks, no new call enters; it proceeds when the calls inside have left, swaps, bumps the
-version and lets the waiting calls in. So every request runs entirely on the weights of the
-version it was tagged with, and a steady stream of calls cannot starve an update.
+to the engine and leaves when the engine has finished all of them ("drain" swap mode) or as soon
+as they are in the engine ("in-flight"). The writer is a weight swap: once it asks, no new call
+enters; it proceeds when the calls inside have left, swaps, bumps the version and lets the
+waiting calls in. In "drain" mode every request thus runs entirely on the weights of the version
+it was tagged with; in both, a request is submitted under the version it is salted with, and a
+steady stream of calls cannot starve an update.
 """
 
 from __future__ import annotations

@@ -81,3 +81,27 @@ def test_async_speedup_bench_runs(generator_address, tmp_path):
     assert result["ideal_speedup"] >= 1.0 and result["achieved_speedup"] > 0
     assert result["sync"]["window"] == result["async"]["window"] == [2, 3]
     assert "ideal speedup" in out
+
+
+@pytest.mark.slow
+def test_swap_modes_bench_runs_each_mode_end_to_end(tmp_path):
+    """Each run starts its own generator in its swap mode (`generator.swap_mode`): in drain
+    mode no sample spans a swap, in in-flight mode a sample may, and every token stays within
+    max_staleness (its sample's oldest token bounds it)."""
+    out = run(["bench/swap_modes.py", "--steps", "3", "--warmup", "1", "--max-response-tokens",
+               "48", "--prompts-per-batch", "4", "--variants", "drain,in-flight-keep",
+               "--out", str(tmp_path)], env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert "time per update (s)" in out and "in-flight-keep / drain: time per update" in out
+    for mode, log in (("drain", "swaps: drain"), ("in-flight-keep", "swaps: in-flight, KV keep")):
+        assert log in (tmp_path / f"{mode}-0" / "run.log").read_text()
+        assert log in (tmp_path / f"{mode}-0" / "generator.log").read_text()
+        assert result[mode]["step_s"]["mean"] > 0 and result[mode]["generate_s"]["mean"] > 0
+        for line in (tmp_path / f"{mode}-0" / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            assert 0 <= record["token_staleness_max"] <= record["staleness_max"] <= 1
+            assert record["token_staleness_mean"] <= record["staleness_mean"]
+            assert record["generator_idle_s"] >= 0 and record["generator_requests_mean"] >= 0
+            if mode == "drain":
+                assert record["mixed_version_fraction"] == 0
+                assert record["token_staleness_mean"] == record["staleness_mean"]

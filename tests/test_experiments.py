@@ -351,3 +351,31 @@ def test_async_vs_sync_vary_parsing():
         "train.learning_rate", ["3e-6", "1e-5"])  # fmt: skip
     with pytest.raises(ValueError, match="KEY=V1,V2"):
         async_vs_sync.parse_vary("train.learning_rate")
+
+
+def test_swap_modes_figures_by_hand():
+    spec = importlib.util.spec_from_file_location("swap_modes", REPO / "bench/swap_modes.py")
+    swap_modes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(swap_modes)
+
+    def record(step, wait, sync, staleness):
+        return {"step": step, "step_s": 1.0 + step, "wait_for_generation_s": wait,
+                "weight_sync_s": sync, "generator_idle_s": 0.1, "generator_requests_mean": 8.0,
+                "generate_s": 0.9, "train_s": 0.2, "token_staleness_mean": staleness,
+                "mixed_version_fraction": 1.0 - staleness}  # fmt: skip
+
+    drain = [record(1, 9.0, 9.0, 1.0), record(2, 0.0, 0.5, 1.0), record(3, 0.1, 0.3, 1.0),
+             record(4, 0.0, 0.0, 1.0)]  # fmt: skip
+    figures = swap_modes.run_figures(drain, warmup=1)  # steps 2 and 3; the last is left out
+    assert figures["step_s"] == pytest.approx(3.5)
+    assert figures["learner_idle_s"] == pytest.approx((0.5 + 0.4) / 2)
+    with pytest.raises(ValueError, match="at least warmup"):
+        swap_modes.run_figures(drain, warmup=3)
+    in_flight = [{**figures, "step_s": 3.0, "token_staleness_mean": 0.25},
+                 {**figures, "step_s": 4.0, "token_staleness_mean": 0.75}]  # fmt: skip
+    result = swap_modes.summarize({"drain": [figures, figures], "in-flight-keep": in_flight})
+    assert result["in-flight-keep"]["step_s"]["mean"] == 3.5
+    assert result["in-flight-keep"]["step_s"]["stderr"] == pytest.approx(0.5)  # 0.707 / sqrt 2
+    assert result["drain"]["step_s"]["stderr"] == 0.0
+    assert result["ratio_to_drain"]["in-flight-keep"]["token_staleness_mean"] == 0.5
+    assert "in-flight-keep / drain: time per update 1.000" in swap_modes.table(result)

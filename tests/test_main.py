@@ -105,29 +105,6 @@ def test_recipe_stage_is_chosen_after_a_colon(tmp_path):
     assert result.returncode != 0 and "stage 'dance'" in result.stderr
 
 
-@pytest.mark.slow
-def test_an_in_flight_run_starts_its_generator_so_and_bounds_token_staleness(tmp_path):
-    """`generator.swap_mode=in-flight`: the run starts its generator in that mode, and every
-    step's tokens are within max_staleness (the oldest, per sample, bounds them all)."""
-    out = tmp_path / "out"
-    result = run_main(
-        f"--config.output_dir={out}", "--config.generator.swap_mode=in-flight",
-        "--config.max_staleness=1", "--config.total_steps=4", "--config.eval.at_start=false",
-        "--config.eval.at_end=false", "--config.export=false",
-        "--config.rollout.max_response_tokens=64", "--config.generator.max_model_len=128",
-        "--config.generator.in_flight_kv=recompute",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "swaps: in-flight, KV recompute" in result.stdout
-    assert "swaps: in-flight, KV recompute" in (out / "generator.log").read_text()
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 4
-    for record in records:
-        assert 0 <= record["token_staleness_max"] <= record["staleness_max"] <= 1
-        assert record["token_staleness_mean"] <= record["staleness_mean"]
-        assert 0 <= record["mixed_version_fraction"] <= 1
-
-
 def test_generators_in_another_swap_mode_are_refused():
     from types import SimpleNamespace
 
