@@ -345,15 +345,24 @@ class GeneratorEngine:
                     await self._llm.pause_generation(mode="keep", clear_cache=False)
                 try:
                     async with asyncio.TaskGroup() as group:
-                        for prompt_index, (prompt_id, token_ids) in enumerate(prompts):
-                            for sample_index in range(sampling.n):
-                                request = _Request(
-                                    f"{call_id}-{prompt_index}-{sample_index}",
-                                    prompt_index, prompt_id, list(token_ids), sample_index,
-                                )  # fmt: skip
-                                collector = await self._submit(request, params, version)
-                                self.occupancy.started()
-                                group.create_task(self._collect(queue, request, collector, version))
+                        submitted: list[str] = []
+                        try:
+                            for prompt_index, (prompt_id, token_ids) in enumerate(prompts):
+                                for sample_index in range(sampling.n):
+                                    request = _Request(
+                                        f"{call_id}-{prompt_index}-{sample_index}",
+                                        prompt_index, prompt_id, list(token_ids), sample_index,
+                                    )  # fmt: skip
+                                    collector = await self._submit(request, params, version)
+                                    submitted.append(collector.request_id)
+                                    group.create_task(
+                                        self._collect(queue, request, collector, version)
+                                    )
+                        except BaseException:
+                            # The call's requests already in the engine go with it (their
+                            # collectors may be cancelled before they ever ran).
+                            await asyncio.shield(self._llm.abort(submitted, internal=True))
+                            raise
                         if seeded:
                             await self._llm.collective_rpc(
                                 "jaxrlhf_reseed", kwargs={"seed": sampling.seed % (1 << 63)}
@@ -394,6 +403,7 @@ class GeneratorEngine:
         """Waits for the request's final output (as vLLM's `AsyncLLM.generate` does) and queues
         its Sample; aborts the request if the call goes away first."""
         final = None
+        self.occupancy.started()
         try:
             while final is None or not final.finished:
                 final = collector.get_nowait() or await collector.get()
@@ -483,9 +493,10 @@ class GeneratorEngine:
             )
             failpoints.hit("reload_weights")  # (chaos tests only)
             recompute = self.in_flight and self.config.in_flight_kv == "recompute"
-            # With requests running and their KV kept, the reset finds blocks in use and does
-            # nothing; the salts keep the old entries from matching new requests.
-            await self._llm.reset_prefix_cache(reset_running_requests=recompute)
+            if recompute or self._llm.get_num_unfinished_requests() == 0:
+                # (With requests running and their KV kept, blocks are in use and the cache
+                # cannot be reset; the salts keep its old entries from matching new requests.)
+                await self._llm.reset_prefix_cache(reset_running_requests=recompute)
             await self._llm.update_weight_version(str(policy_version))
         except Exception as error:
             self.serving = False
