@@ -379,3 +379,36 @@ def test_swap_modes_figures_by_hand():
     assert result["drain"]["step_s"]["stderr"] == 0.0
     assert result["ratio_to_drain"]["in-flight-keep"]["token_staleness_mean"] == 0.5
     assert "in-flight-keep / drain: time per update 1.000" in swap_modes.table(result)
+
+
+def test_an_experiment_starts_its_service_in_the_runs_swap_mode(tmp_path):
+    """A run asking for another swap mode than the service's gets a new service in it."""
+    from jaxrlhf.experiments.runner import PlannedRun, Runner
+
+    started, stopped = [], []
+
+    class Server:
+        def __init__(self, flags):
+            self.address, self.flags = f"127.0.0.1:{len(started)}", flags
+            self.process = type("P", (), {"poll": staticmethod(lambda: None)})
+
+        def terminate(self):
+            stopped.append(self.address)
+
+    class Recording(Runner):
+        def _start_generator(self, overrides):
+            started.append(self._swap_flags(overrides))
+            return Server(started[-1])
+
+    runner = Recording(REPO / "configs/tiny.py", tmp_path, "test")
+    for overrides in (
+        {},
+        {"generator.swap_mode": "drain"},
+        {"generator.swap_mode": "in-flight"},
+        {"generator.swap_mode": "in-flight", "generator.in_flight_kv": "recompute"},
+        {"generator.swap_mode": "in-flight", "generator.in_flight_kv": "recompute"},
+    ):
+        runner._ensure_generator(PlannedRun({}, tmp_path / "run", overrides))  # fmt: skip
+    assert started == [("drain", "keep"), ("in-flight", "keep"), ("in-flight", "recompute")]
+    assert stopped == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert runner.address == "127.0.0.1:3"

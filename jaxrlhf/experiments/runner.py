@@ -5,8 +5,10 @@ its `--config.KEY=VALUE` overrides), and `Runner.run_all` executes them: the fir
 needs a generator starts one service for the whole experiment (saving an engine start per run;
 each run publishes its initial weights first, since the service serves the previous run's), a
 run whose folder holds a finished run with the same overrides is reused, a failed run is
-recorded and the experiment goes on. A service of the experiment's own that dies is replaced
-(at most `MAX_GENERATOR_RESTARTS` times), and a run it broke is run again. Each run's figures
+recorded and the experiment goes on. The service is started in the runs' swap mode
+(`generator.swap_mode`, `generator.in_flight_kv`) and replaced when a run asks for another. A
+service of the experiment's own that dies is replaced (at most `MAX_GENERATOR_RESTARTS` times),
+and a run it broke is run again. Each run's figures
 (`run_figures`) come from its `metrics.jsonl` and `summary.json`.
 """
 
@@ -97,6 +99,7 @@ class Runner:
         self.rerun, self.report_only = rerun, report_only
         self.keep_checkpoints = keep_checkpoints
         self.server = None
+        self.server_swaps: tuple[str, str] | None = None  # the started service's swap flags
         self.generator_restarts = 0
 
     def needs_run(self, run: PlannedRun) -> bool:
@@ -182,9 +185,18 @@ class Runner:
                   flush=True)  # fmt: skip
             self.generator_restarts += 1
             self.server = self.address = None
+        swaps = self._swap_flags(run.overrides)
+        if self.server is not None and self.server_swaps != swaps:
+            # The run asks for another swap mode (`generator.swap_mode`): a service in it.
+            self.close()
+            self.address = None
         if not self.address:
             self.server = self._start_generator(run.overrides)
-            self.address = self.server.address
+            self.address, self.server_swaps = self.server.address, swaps
+
+    def _swap_flags(self, overrides: dict[str, Any]) -> tuple[str, str]:
+        gen = load_config(self.config_file, overrides).generator
+        return gen.swap_mode, gen.in_flight_kv
 
     def _start_generator(self, overrides: dict[str, Any]):
         """One service for every run, with the runs' engine settings."""
@@ -194,7 +206,8 @@ class Runner:
         config = load_config(self.config_file, overrides)
         gen = config.generator
         engine_args = ["--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
-                       "--seed", str(gen.seed)]  # fmt: skip
+                       "--seed", str(gen.seed), "--swap-mode", gen.swap_mode,
+                       "--in-flight-kv", gen.in_flight_kv]  # fmt: skip
         cpus = [int(c) for c in self.cpus_generator.split(",")] if self.cpus_generator else None
         log = self.out / ("generator.log" if not self.generator_restarts
                           else f"generator-{self.generator_restarts}.log")  # fmt: skip
