@@ -74,9 +74,11 @@ from jaxrlhf.experiments import (
     load_config,
     log_tail,
     main_command,
+    placement_overrides,
     read_run,
     run_main,
 )
+from jaxrlhf.experiments.runner import parse_passthrough
 
 MODES = {"sync": 0, "async": 1}  # mode -> max_staleness
 TARGET_EFFICIENCY = 0.9
@@ -276,12 +278,7 @@ def run_overrides(args, mode: str, out: Path) -> dict[str, Any]:
         # generating during it, outside any step's time (before and after training still run).
         "eval.every": 0,
     }
-    if args.cpus_generator:
-        overrides["generator.cpus"] = args.cpus_generator
-    if args.cpus_learner:
-        overrides["learner_cpus"] = args.cpus_learner
-    if args.model not in ("smollm2", "tiny"):
-        overrides["model.path"] = args.model
+    overrides |= placement_overrides(args.model, args.cpus_generator, args.cpus_learner)
     for flag, key in (
         ("prompts_per_batch", "rollout.prompts_per_batch"),
         ("samples_per_prompt", "rollout.samples_per_prompt"),
@@ -308,10 +305,7 @@ def main() -> None:
         "--analyze-only", action="store_true", help="recompute from the runs already in --out"
     )
     args, extra = parser.parse_known_args()
-    unknown = [a for a in extra if not a.startswith("--config.")]
-    if unknown:
-        parser.error(f"unknown arguments {unknown} (only --config.KEY=VALUE pass through)")
-    passthrough = dict(a.removeprefix("--config.").split("=", 1) for a in extra)
+    passthrough = parse_passthrough(parser, extra)
     if not (args.cpus_generator and args.cpus_learner) or set(args.cpus_generator.split(",")) & set(
         args.cpus_learner.split(",")
     ):

@@ -39,7 +39,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.experiments import config_file_for, log_tail, main_command, read_run, run_main
+from jaxrlhf.experiments import (
+    config_file_for,
+    log_tail,
+    main_command,
+    placement_overrides,
+    read_run,
+    run_main,
+)
+from jaxrlhf.experiments.runner import parse_passthrough
 
 VARIANTS = {  # name -> (generator.swap_mode, generator.in_flight_kv)
     "drain": ("drain", "keep"),
@@ -140,13 +148,8 @@ def overrides_for(args, variant: str, folder: Path) -> dict[str, Any]:
         "rollout.max_response_tokens": args.max_response_tokens,
         "rollout.prompts_per_batch": args.prompts_per_batch,
         "generator.max_model_len": 64 + args.max_response_tokens,
+        **placement_overrides(args.model, args.cpus_generator, args.cpus_learner),
     }
-    if args.cpus_generator:
-        overrides["generator.cpus"] = args.cpus_generator
-    if args.cpus_learner:
-        overrides["learner_cpus"] = args.cpus_learner
-    if args.model not in ("smollm2", "tiny"):
-        overrides["model.path"] = args.model
     return overrides
 
 
@@ -167,10 +170,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/swap_modes", help="folder for the runs")
     parser.add_argument("--analyze-only", action="store_true")
     args, extra = parser.parse_known_args()
-    unknown = [a for a in extra if not a.startswith("--config.")]
-    if unknown:
-        parser.error(f"unknown arguments {unknown} (only --config.KEY=VALUE pass through)")
-    passthrough = dict(a.removeprefix("--config.").split("=", 1) for a in extra)
+    passthrough = parse_passthrough(parser, extra)
     out = Path(args.out).resolve()
     config_file = config_file_for(args.model)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]

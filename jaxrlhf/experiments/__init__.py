@@ -31,6 +31,19 @@ def config_file_for(model: str) -> Path:
     return CONFIGS / ("tiny.py" if model == "tiny" else "default.py")
 
 
+def placement_overrides(model: str, cpus_generator: str, cpus_learner: str) -> dict[str, Any]:
+    """The overrides of a bench's `--model` (a folder; "smollm2" and "tiny" are their config
+    files' own) and its cores (`--cpus-generator`, `--cpus-learner`; "" = not pinned)."""
+    overrides: dict[str, Any] = {}
+    if cpus_generator:
+        overrides["generator.cpus"] = cpus_generator
+    if cpus_learner:
+        overrides["learner_cpus"] = cpus_learner
+    if model not in ("smollm2", "tiny"):
+        overrides["model.path"] = model
+    return overrides
+
+
 def load_config(config_file: str | Path, overrides: Mapping[str, Any] = ()):
     """The ConfigDict a run gets from `config_file` plus `--config.KEY=VALUE` overrides (dotted
     keys), with the shorthands resolved (`num_mini_batches`)."""
