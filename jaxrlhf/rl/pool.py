@@ -187,11 +187,15 @@ class GeneratorPool:
 
     def occupancy(self) -> dict[str, tuple[float, float]]:
         """(idle seconds, request-seconds) since start of each live replica (GetStatus; see
-        GeneratorStatus.idle_seconds), by target; a replica that does not answer is left out."""
+        GeneratorStatus.idle_seconds), by target; asked in parallel, and a replica that does not
+        answer within a second is left out (it is not failed for that: its calls decide)."""
+        replicas = self._in(LIVE)
+        futures = [self._calls.submit(r.client.status, timeout=min(self.timeouts.status, 1.0))
+                   for r in replicas]  # fmt: skip
         out = {}
-        for replica in self._in(LIVE):
+        for replica, future in zip(replicas, futures, strict=True):
             try:
-                status = replica.client.status(timeout=self.timeouts.status)
+                status = future.result()
             except grpc.RpcError:
                 continue
             out[replica.target] = (status.idle_seconds, status.request_seconds)

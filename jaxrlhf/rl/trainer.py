@@ -220,10 +220,11 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
     )  # fmt: skip
     started = time.perf_counter()
     records = []
+    fleet = FleetWatch(pool) if pool is not None else None
     try:
         for step in range(start_step, cfg.total_steps):
             record = train_one_step(
-                learner, producer, pool, task, cfg, version, base_version, sync_dtype
+                learner, producer, pool, task, cfg, version, base_version, sync_dtype, fleet
             )
             version = record["policy_version"]
             last = step + 1 == cfg.total_steps
@@ -294,8 +295,29 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
     return RunResult(summary, records)
 
 
+class FleetWatch:
+    """The generators' health and occupancy for each step's record, as changes since the end of
+    the previous step (or the start of the loop): whatever happens between two steps (an
+    evaluation, a checkpoint) counts in the next, and nothing is lost."""
+
+    COUNTERS = ("failures", "failovers", "restarts", "rejoins")
+
+    def __init__(self, pool: GeneratorPool):
+        self.pool = pool
+        self._counts, self._busy = pool.metrics(), pool.occupancy()
+        self._at = time.perf_counter()
+
+    def step(self) -> dict[str, Any]:
+        counts, busy, now = self.pool.metrics(), self.pool.occupancy(), time.perf_counter()
+        record: dict[str, Any] = {"generators_live": counts["generators_live"]}
+        record |= {f"generator_{k}": counts[k] - self._counts[k] for k in self.COUNTERS}
+        record |= occupancy_metrics(self._busy, busy, now - self._at)
+        self._counts, self._busy, self._at = counts, busy, now
+        return record
+
+
 def occupancy_metrics(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """Over one step, averaged over the replicas that answered both times: generator_idle_s,
+    """Over `seconds`, averaged over the replicas that answered both times: generator_idle_s,
     the seconds a replica generated nothing (no request, or paused for a swap), and
     generator_requests_mean, how many requests it was generating on average."""
     both = [target for target in after if target in before]
@@ -327,12 +349,18 @@ def staleness_metrics(rollout: Rollout, learner_version: int) -> dict[str, float
 
 
 def train_one_step(
-    learner: Learner, producer, pool, task, cfg, version, base_version, sync_dtype
+    learner: Learner,
+    producer,
+    pool,
+    task,
+    cfg,
+    version,
+    base_version,
+    sync_dtype,
+    fleet: FleetWatch | None = None,
 ) -> dict[str, Any]:
     """One update of the loop: wait for the next batch, learn from it, publish when due."""
     t0 = time.perf_counter()
-    before = pool.metrics() if pool is not None else {}
-    busy_before = pool.occupancy() if pool is not None else {}
     rollout = receive_batch(learner, producer, pool, version, sync_dtype)
     wait_s = time.perf_counter() - t0
     learned = learner.learn(rollout, task)
@@ -348,20 +376,13 @@ def train_one_step(
             producer.publish(version)
         sync_s = stats.seconds if stats is not None else time.perf_counter() - published
     staleness = staleness_metrics(rollout, version - 1)
-    fleet = {}
-    if pool is not None:  # the generators' health over this step (counts since the last step)
-        after = pool.metrics()
-        fleet = {"generators_live": after["generators_live"]}
-        fleet |= {f"generator_{k}": after[k] - before[k]
-                  for k in ("failures", "failovers", "restarts", "rejoins")}  # fmt: skip
-        fleet |= occupancy_metrics(busy_before, pool.occupancy(), time.perf_counter() - t0)
     return {
         "policy_version": version,
         **learned,
         "prompts": len(rollout.prompts),
         "samples": len(rollout.samples),
         "prompt_ids": [p.id for p in rollout.prompts],  # the batch's, in the schedule's order
-        **fleet,
+        **(fleet.step() if fleet is not None else {}),
         **staleness,
         "generation_tokens_per_s": rollout.num_tokens / max(rollout.generate_seconds, 1e-9),
         "wait_for_generation_s": wait_s,
