@@ -144,13 +144,13 @@ class Occupancy:
             self.idle_seconds += elapsed
         self.request_seconds += generating * elapsed
 
-    def started(self, count: int = 1) -> None:
+    def started(self) -> None:
         self._advance()
-        self._running += count
+        self._running += 1
 
-    def finished(self, count: int = 1) -> None:
+    def finished(self) -> None:
         self._advance()
-        self._running -= count
+        self._running -= 1
 
     def paused(self, paused: bool) -> None:
         self._advance()

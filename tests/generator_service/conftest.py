@@ -116,16 +116,19 @@ class Reference:
         import torch
 
         self._load(tensors)
-        tokens: list[int] = []
         with torch.no_grad(), _torch_threads(1):
-            output = self.model(torch.tensor([prompt]), use_cache=True)
-            for _ in range(max_new_tokens):
-                tokens.append(int(output.logits[0, -1].argmax()))
-                output = self.model(
-                    torch.tensor([[tokens[-1]]]),
-                    past_key_values=output.past_key_values,
-                    use_cache=True,
-                )
+            return self._decode(self.model(torch.tensor([prompt]), use_cache=True), max_new_tokens)
+
+    def _decode(self, output, max_new_tokens: int) -> list[int]:
+        """Argmax tokens from a forward's `output` on, feeding each back with its KV cache."""
+        import torch
+
+        tokens: list[int] = []
+        for _ in range(max_new_tokens):
+            tokens.append(int(output.logits[0, -1].argmax()))
+            output = self.model(
+                torch.tensor([[tokens[-1]]]), past_key_values=output.past_key_values, use_cache=True
+            )
         return tokens
 
     def greedy_after_swap(
@@ -154,15 +157,7 @@ class Reference:
             ).past_key_values
             self._load(new)
             output = self.model(torch.tensor([[before[-1]]]), past_key_values=past, use_cache=True)
-            tokens: list[int] = []
-            for _ in range(max_new_tokens):
-                tokens.append(int(output.logits[0, -1].argmax()))
-                output = self.model(
-                    torch.tensor([[tokens[-1]]]),
-                    past_key_values=output.past_key_values,
-                    use_cache=True,
-                )
-        return tokens
+            return self._decode(output, max_new_tokens)
 
     def logprobs(
         self,
