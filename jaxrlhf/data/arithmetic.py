@@ -2,9 +2,11 @@
 
 Prompts are asked in the model's chat template ("What is 37 + 45? Answer with just the number.")
 and a response is correct when the last number in it equals the sum. The 8,100 pairs (a, b) with
-10 <= a, b <= 99 are split by a hash of the pair (`jaxrlhf.data.splits.hash_fraction`): 80%
-train, 10% validation, 10% test, so carries, sums of three digits and sums ending in 0 fall into
-every split in proportion, and no two splits share a question.
+10 <= a, b <= 99 are split by a hash of the unordered pair (`jaxrlhf.data.splits.hash_fraction`
+of "min+max"): 80% train, 10% validation, 10% test, so carries, sums of three digits and sums
+ending in 0 fall into every split in proportion, and no two splits share a question. "a + b" and
+"b + a" are one question with one answer, so they always fall into the same split (hashing the
+ordered pair put about 80% of the test questions' swapped twins in train).
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class Problem:
 
 
 def split_of(a: int, b: int) -> str:
-    """The split the pair (a, b) belongs to: a fixed function of the pair alone."""
-    point = hash_fraction(f"{a}+{b}")
+    """The split the pair (a, b) belongs to: a fixed function of the unordered pair alone."""
+    point = hash_fraction(f"{min(a, b)}+{max(a, b)}")
     return next(name for name, (low, high) in _BOUNDS.items() if low <= point < high)
 
 

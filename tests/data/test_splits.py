@@ -31,6 +31,21 @@ def test_arithmetic_splits_partition_the_pairs():
     assert 0.08 < len(pairs["test"]) / 8100 < 0.12 and 0.08 < len(pairs["validation"]) / 8100 < 0.12
 
 
+def test_arithmetic_splits_keep_swapped_questions_together():
+    """"b + a" is the question "a + b" with the same answer: it must never sit in another split
+    (hashing the ordered pair put ~80% of the test questions' twins in train)."""
+    unordered = {
+        name: {frozenset(_operands(p)) for p in make_problems(0, name)}
+        for name in ("train", "validation", "test")
+    }
+    assert not unordered["train"] & unordered["test"]
+    assert not unordered["train"] & unordered["validation"]
+    assert not unordered["validation"] & unordered["test"]
+    test_pairs = {_operands(p) for p in make_problems(0, "test")}
+    swapped = {(b, a) for a, b in test_pairs if a != b}
+    assert swapped <= test_pairs  # every twin of a test question is a test question too
+
+
 @pytest.mark.parametrize(
     "feature",
     [
