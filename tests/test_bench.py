@@ -5,6 +5,7 @@ The figures mean nothing at this size; these tests catch a bench that no longer 
 nonsense (bench/learner_step.py once failed on a removed module constant before printing).
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -139,14 +140,40 @@ def test_plan_check():
 
 @pytest.mark.slow
 def test_publish_memory(tiny_llama, generator_address):
-    # Two learner processes publish the shared server's own model to it, twice.
+    # Two learner processes publish the shared server's own model to it, twice. A bound of 0
+    # layers, which any publish exceeds: the bench must report both processes and exit 1.
     command = [sys.executable, "bench/publish_memory.py", "--model", str(tiny_llama),
-               "--address", generator_address, "--publishes", "2"]  # fmt: skip
-    (*rows, summary) = run_bench(command, env=dict(os.environ, XLA_FLAGS=""))
+               "--address", generator_address, "--publishes", "2",
+               "--max-increase-layers", "0"]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=dict(os.environ, XLA_FLAGS=""),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    output = result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 1, output
+    assert "publishing exceeded the memory bound" in result.stderr, output
+    (*rows, summary) = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
     assert [r["process"] for r in rows] == [0, 1] and summary["devices"] == 4
     assert summary["swapped_version"] == rows[0]["swapped_version"] > 0
     assert all(len(r["peak_increase_bytes_each"]) == 2 for r in rows)
     assert 0 < summary["layer_bytes"] < summary["model_bytes"]
+    assert summary["max_increase_layers"] == 0 and summary["within_bound"] is False
+    assert all(f"process {r['process']}: +" in result.stderr for r in rows), output
+
+
+def test_publish_memory_bound():
+    """The bench's check (bench/publish_memory.py `over_bound`), on hand-made rows: a process
+    at exactly 1.5 layers over its shards holds the bound, one byte more does not."""
+    path = REPO / "bench" / "publish_memory.py"
+    spec = importlib.util.spec_from_file_location("publish_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [
+        {"process": 0, "peak_increase_bytes": 150_000_000, "layer_bytes": 100_000_000},
+        {"process": 1, "peak_increase_bytes": 150_000_001, "layer_bytes": 100_000_000},
+    ]
+    assert bench.over_bound(rows[:1], 1.5) == []
+    (message,) = bench.over_bound(rows, 1.5)
+    expected = "process 1: +150.0 MB = 1.50 layers over its own shards (bound 1.5 layers"
+    assert message == expected + " = 150.0 MB)"
 
 
 @pytest.mark.slow

@@ -27,6 +27,9 @@ from jaxrlhf_wire.chunks import (  # noqa: F401
 from jaxrlhf_wire.dtypes import WEIGHT_DTYPES  # noqa: F401
 from jaxrlhf_wire.stubs import generator_pb2, generator_pb2_grpc
 
+# A server's answers to a missing or wrong token: no retry can change them.
+REFUSED_CREDENTIALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
 
 def auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...]:
     """The call metadata that carries the shared secret (empty without one)."""
@@ -137,7 +140,8 @@ class GeneratorClient:
         )
 
     def wait_until_serving(self, timeout: float = 300.0) -> generator_pb2.GeneratorStatus:
-        """Polls GetStatus until the server answers and serves, or raises TimeoutError."""
+        """Polls GetStatus until the server answers and serves, or raises TimeoutError; raises
+        PermissionError at once if it refuses this client's credentials (waiting cannot help)."""
         deadline = time.monotonic() + timeout
         last_error: Exception | None = None
         while time.monotonic() < deadline:
@@ -146,6 +150,13 @@ class GeneratorClient:
                 if status.serving:
                     return status
             except grpc.RpcError as error:
+                if error.code() in REFUSED_CREDENTIALS:
+                    raise PermissionError(
+                        f"generator at {self.target} refused this learner's credentials "
+                        f"({error.code().name}: {error.details()}); give the learner the token "
+                        "the generator was started with, in the environment variable that "
+                        "config.generator.auth_token_env names"
+                    ) from error
                 last_error = error
             time.sleep(0.5)
         raise TimeoutError(f"generator at {self.target} not serving after {timeout}s: {last_error}")

@@ -26,13 +26,11 @@ class SharedFileTransport(WeightTransport):
 
     name = "shared"
 
-    def __init__(self, directory: str, specs: Sequence[tuple[str, tuple[int, ...], Any]],
-                 max_calls: int = 16) -> None:  # fmt: skip
+    def __init__(self, directory: str, specs: Sequence[tuple[str, tuple[int, ...], Any]]) -> None:
         self.directory = directory
         self.specs = [(n, tuple(shape), np.dtype(dtype)) for n, shape, dtype in specs]
         self._file: SharedWeightsFile | None = None
         self._version: int | None = None  # the version the file holds
-        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=max_calls)
 
     def holds(self, policy_version: int) -> bool:
         """Whether the file already holds `policy_version` (a rejoining replica can take it)."""
@@ -49,14 +47,17 @@ class SharedFileTransport(WeightTransport):
             self._file.write(tensor_stream())
             self._version = policy_version
         request = self._file.request(policy_version, allow_rollback)
-        futures = {
-            client: self._calls.submit(client.update_weights_shared, request, timeout)
-            for client in clients
-        }
-        return collect(futures)
+        # A thread per replica for this attempt: every replica swaps at once, however many.
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, len(clients)), thread_name_prefix="weight-call"
+        ) as calls:
+            futures = {
+                client: calls.submit(client.update_weights_shared, request, timeout)
+                for client in clients
+            }
+            return collect(futures)
 
     def close(self) -> None:
-        self._calls.shutdown(wait=False, cancel_futures=True)
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -2,15 +2,16 @@
 
 The learner's tensors are converted and encoded once per attempt, in a producer thread of their
 own, and every chunk is fanned out to every replica's stream at once: each tensor is pulled
-from the devices once, and the host holds a few chunks per replica, never a second copy of the
-model. A replica whose call ended (it died, hung past its deadline, refused the update) is
+from the devices once, and the host holds a few chunks, never a second copy of the model. Every
+replica's call runs at once, in a thread of its own for the attempt, however many replicas
+there are. A replica whose call ended (it died, hung past its deadline, refused the update) is
 dropped from the fan-out at once and the others go on.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
-import queue
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -19,8 +20,9 @@ import grpc
 from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport
 from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient, encode_weight_chunks
 
-# Chunks queued ahead of each replica's stream: bounds the host memory of a broadcast to this
-# many chunks per replica, plus the tensor being converted.
+# Chunks queued ahead of each replica's stream. The feeds hold the same chunk objects, so the
+# host holds at most this many chunks (plus one in the hands of each call, and the tensor being
+# converted) whatever the number of replicas: the depth need not grow with them.
 CHUNKS_AHEAD = 4
 
 
@@ -35,39 +37,50 @@ class _ReplicaFeed:
     """The chunks on their way to one replica's UpdateWeights stream, a few at most.
 
     Once the replica's call has ended (it failed, or it answered early) the feed is closed: what
-    is queued is dropped and later chunks are not queued, so a dead replica never blocks the
-    producer, and so never the other replicas.
+    is queued is dropped, later chunks are not queued, so a dead replica never blocks the
+    producer, and so never the other replicas; and gRPC's request thread, if it waits for a
+    chunk, is woken to end the stream (else it would wait forever: one thread lost per refused
+    or timed-out update).
     """
 
     def __init__(self, depth: int) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._closed = threading.Event()
+        self._depth = depth
+        self._items: collections.deque[bytes | _End] = collections.deque()
+        self._changed = threading.Condition()
+        self._closed = False
 
     @property
     def closed(self) -> bool:
-        return self._closed.is_set()
+        return self._closed
 
     def put(self, item: bytes | _End) -> None:
-        while not self._closed.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                continue
+        """Queues `item` once there is room; drops it if the feed is (or gets) closed."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._closed or len(self._items) < self._depth)
+            if not self._closed:
+                self._items.append(item)
+                self._changed.notify_all()
 
     def close(self) -> None:
-        self._closed.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                return
+        with self._changed:
+            self._closed = True
+            self._items.clear()
+            self._changed.notify_all()
+
+    def _take(self) -> bytes | _End | None:
+        """The next item, waiting for one; None once the feed is closed."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._closed or self._items)
+            if self._closed:
+                return None
+            item = self._items.popleft()
+            self._changed.notify_all()
+            return item
 
     def chunks(self) -> Iterator[bytes]:
         """The request stream (iterated by gRPC's thread); raises if the producer failed, which
-        cancels the call."""
-        while True:
-            item = self._queue.get()
+        cancels the call; ends when the feed is closed."""
+        while (item := self._take()) is not None:
             if isinstance(item, _End):
                 if item.error is not None:
                     raise RuntimeError("the weight stream failed on the learner") from item.error
@@ -100,9 +113,8 @@ class StreamTransport(WeightTransport):
 
     name = "stream"
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_calls: int = 16) -> None:
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
-        self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=max_calls)
 
     def send(self, clients, tensor_stream: TensorStream, num_tensors, policy_version,
              allow_rollback, timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
@@ -110,27 +122,33 @@ class StreamTransport(WeightTransport):
             tensor_stream(), policy_version, self.chunk_bytes, num_tensors, allow_rollback
         )
         feeds = {client: _ReplicaFeed(CHUNKS_AHEAD) for client in clients}
-        futures = {}
-        for client, feed in feeds.items():
-            future = self._calls.submit(client.update_weights_encoded, feed.chunks(), timeout)
-            future.add_done_callback(lambda _, feed=feed: feed.close())
-            futures[client] = future
-        # A thread of its own, not the executor's: the calls above wait for it.
-        produced: list[BaseException | None] = []
-        producer = threading.Thread(
-            target=lambda: produced.append(_produce(chunks, list(feeds.values()))),
-            name="weight-producer",
-            daemon=True,
-        )
-        producer.start()
-        outcomes = collect(futures)
-        producer.join()
+        # A thread per replica, for this attempt only: every call must run at once, since the
+        # producer feeds them in step (a call left waiting for a thread would let its feed
+        # fill and stall the producer, and with it every running call, until their deadline).
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, len(clients)), thread_name_prefix="weight-call"
+        ) as calls:
+            futures = {}
+            for client, feed in feeds.items():
+                future = calls.submit(client.update_weights_encoded, feed.chunks(), timeout)
+                future.add_done_callback(lambda _, feed=feed: feed.close())
+                futures[client] = future
+            # A thread of its own, not the executor's: the calls above wait for it.
+            produced: list[BaseException | None] = []
+            producer = threading.Thread(
+                target=lambda: produced.append(_produce(chunks, list(feeds.values()))),
+                name="weight-producer",
+                daemon=True,
+            )
+            producer.start()
+            outcomes = collect(futures)
+            producer.join()
         if produced[0] is not None:
             raise produced[0]
         return outcomes
 
     def close(self) -> None:
-        self._calls.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: each attempt's call threads end with it."""
 
 
 def collect(futures: dict[GeneratorClient, concurrent.futures.Future]) -> dict:
