@@ -30,7 +30,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxrlhf.config import checked, model_options
+from jaxrlhf.config import checked, model_options, parse_flags
 from jaxrlhf.distributed import broadcast, driven_streams, is_driver, shard_global, to_host
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
@@ -268,4 +268,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

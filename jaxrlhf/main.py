@@ -11,7 +11,7 @@ import jax
 from absl import app, logging
 from ml_collections import config_flags
 
-from jaxrlhf.config import checked
+from jaxrlhf.config import checked, parse_flags
 from jaxrlhf.models.paths import resolve_model
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
@@ -67,4 +67,4 @@ def checkpoint_steps(directory: Path) -> list[int]:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -439,8 +439,6 @@ def main() -> None:
         config = config_flag.value
         if config is None:
             raise app.UsageError("--config=configs/NAME.py is required")
-        from jaxrlhf.config import checked
-
         checked(config)
         devices = devices_flag.value or config.hardware.devices
         memory_gib = memory_flag.value or config.hardware.device_memory_gib
@@ -453,7 +451,9 @@ def main() -> None:
         print("\n".join(report_lines(result)))
         print(json.dumps(result), flush=True)
 
-    app.run(run)
+    from jaxrlhf.config import checked, parse_flags
+
+    app.run(run, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

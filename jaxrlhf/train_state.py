@@ -121,13 +121,43 @@ def forward_in_micro_batches(fn: Callable, micro_batch_size: int) -> Callable:
     return run
 
 
+METRIC_WEIGHT_PREFIX = "weight/"
+
+
+def _is_count(name: str) -> bool:
+    return name.startswith(("num_", METRIC_WEIGHT_PREFIX)) or name == "weight"
+
+
+def _metric_weight(name: str, metrics: dict[str, jax.Array], weight: jax.Array) -> jax.Array:
+    """What metric `name` of one micro-batch is a mean over: its own count when the loss
+    reports one (`weight/<name>`, e.g. Online DPO's valid_fraction is over all pairs, not the
+    valid ones the loss averages), else the loss's weight."""
+    return metrics.get(METRIC_WEIGHT_PREFIX + name, weight).astype(jnp.float32)
+
+
 def _reduce_metric(name: str, total, value, weight):
-    """Micro-batch metrics: weighted like the loss, except maxima (max) and counts (sum)."""
+    """Micro-batch metrics: weighted means, except maxima (max), counts (sum) and root mean
+    squares (`_rms`: weighted mean of the squares, rooted by `_finish_metric`)."""
     if name.endswith("_max"):
         return jnp.maximum(total, value)
-    if name.startswith("num_") or name == "weight":
+    if _is_count(name):
         return total + value
+    if name.endswith("_rms"):
+        return total + weight * value**2
     return total + weight * value
+
+
+def _finish_metric(name: str, total, weight_sum):
+    """The whole batch's value of a metric from its micro-batch reduction (0 if no weight)."""
+    if name.endswith("_max") or _is_count(name):
+        return total
+    mean = jnp.where(weight_sum > 0, total / jnp.where(weight_sum > 0, weight_sum, 1.0), 0.0)
+    return jnp.sqrt(mean) if name.endswith("_rms") else mean
+
+
+def _reported(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The metrics without the per-metric weights (`weight/<name>`), which only combine parts."""
+    return {k: v for k, v in metrics.items() if not k.startswith(METRIC_WEIGHT_PREFIX)}
 
 
 def build_train_step(
@@ -147,7 +177,9 @@ def build_train_step(
     the whole batch. A loss that is a mean over some unit of the batch (tokens, pairs, rows:
     `weight_fn(part)` counts them, default rows) is a mean over the whole batch, not a mean of
     per-part means: part m's loss and gradient are weighted by its share w_m / Σ w. Metrics
-    are weighted the same way (maxima and counts excepted).
+    are weighted the same way, or by their own count where the loss reports one as
+    `weight/<name>` (maxima, counts and root mean squares `_rms` excepted), so each equals
+    its whole-batch value; the `weight/*` entries are not returned.
     """
     batch_spec = {
         name: batch_sharding(mesh, len(shape), shape[0]) for name, shape in batch_shapes.items()
@@ -173,26 +205,30 @@ def build_train_step(
             jnp.float32(0.0),
             {k: jnp.full((), -jnp.inf if k.endswith("_max") else 0.0, jnp.float32)
              for k in metric_shapes},
+            {k: jnp.float32(0.0) for k in metric_shapes},
         )  # fmt: skip
 
         def body(carry, part):
-            grads_sum, loss_sum, weight_sum, metric_sums = carry
+            grads_sum, loss_sum, weight_sum, metric_sums, metric_weights = carry
             (loss, metrics), grads = gradients(params, part)
             weight = weight_of(part)
             grads_sum = jax.tree.map(lambda a, g: a + weight * g.astype(a.dtype), grads_sum, grads)
+            weights = {k: _metric_weight(k, metrics, weight) for k in metric_sums}
             metric_sums = {
-                k: _reduce_metric(k, metric_sums[k], metrics[k].astype(jnp.float32), weight)
+                k: _reduce_metric(k, metric_sums[k], metrics[k].astype(jnp.float32), weights[k])
                 for k in metric_sums
             }
-            return (grads_sum, loss_sum + weight * loss, weight_sum + weight, metric_sums), None
+            metric_weights = {k: metric_weights[k] + weights[k] for k in metric_weights}
+            carry = (grads_sum, loss_sum + weight * loss, weight_sum + weight, metric_sums,
+                     metric_weights)  # fmt: skip
+            return carry, None
 
-        (grads_sum, loss_sum, weight_sum, metric_sums), _ = jax.lax.scan(body, init, parts)
+        (grads_sum, loss_sum, weight_sum, metric_sums, metric_weights), _ = jax.lax.scan(
+            body, init, parts
+        )
         scale = 1.0 / jnp.maximum(weight_sum, 1e-12)  # all-zero weights: zero loss and grads
         grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads_sum, params)
-        metrics = {
-            k: v if k.endswith("_max") or k.startswith("num_") or k == "weight" else v * scale
-            for k, v in metric_sums.items()
-        }
+        metrics = {k: _finish_metric(k, v, metric_weights[k]) for k, v in metric_sums.items()}
         return loss_sum * scale, metrics, grads
 
     def step(state: TrainState, batch: dict[str, jax.Array]):
@@ -202,7 +238,7 @@ def build_train_step(
             (loss, metrics), grads = gradients(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+        metrics = dict(_reported(metrics), loss=loss, grad_norm=optax.tree.norm(grads))
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return jax.jit(

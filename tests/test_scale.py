@@ -1,8 +1,9 @@
 """What lets a large config fit: micro-batches, chunked log-probs and mixed precision.
 
 - A train step over micro-batches equals the whole-batch step for every loss (the loss is a
-  mean over the whole batch's tokens / pairs / rows, not a mean of micro-batch means), also
-  when a micro-batch has nothing to learn from; so do the SFT and reward-model steps.
+  mean over the whole batch's tokens / pairs / rows, not a mean of micro-batch means; so is
+  every metric), also when a micro-batch has nothing to learn from; so do the SFT and
+  reward-model steps, and a learner configured with `train.micro_batch_size`.
 - Forwards in micro-batches (with padding rows) equal the whole-batch forward.
 - Token log-probs in chunks of positions equal the unchunked ones, values and gradients.
 - float32 master weights with bfloat16 compute keep an update at lr 8e-7 that bfloat16
@@ -17,10 +18,13 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrlhf.config import base_config
+from jaxrlhf.config import base_config, resolve, validate
 from jaxrlhf.losses import LOSSES
 from jaxrlhf.models import load_pretrained, next_token_logprobs
+from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.objectives import build_objective
+from jaxrlhf.rl.rollout import PromptItem, Rollout, Sample
+from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import make_mesh, shard_batch
 from jaxrlhf.stages.reward import bradley_terry_loss
 from jaxrlhf.stages.sft import nll_loss
@@ -65,6 +69,13 @@ def assert_same_step(before, whole, micro):
         np.testing.assert_allclose(update_micro, update_whole, rtol=0, atol=tolerance)
 
 
+def assert_same_metrics(whole, micro):
+    """Every metric of the micro-batched step is its whole-batch value (float32 sums)."""
+    assert set(micro) == set(whole)
+    for name in whole:
+        assert micro[name] == pytest.approx(whole[name], rel=1e-4, abs=1e-6), name
+
+
 @pytest.fixture(scope="module")
 def models():
     path = tiny_model("llama")
@@ -99,6 +110,7 @@ def test_micro_batched_step_equals_the_whole_batch_step(name, tie, models):
     whole = one_step(objective.loss_fn, params, shardings_of, batch, 1, spec.batch_weight)
     micro = one_step(objective.loss_fn, params, shardings_of, batch, items, spec.batch_weight)
     assert_same_step(params, whole, micro)
+    assert_same_metrics(whole[2], micro[2])
     if tie and spec.pairwise and name != "copg":
         assert float(batch["valid"].sum()) == 1.0  # one micro-batch of weight 0 in there
     # The step did change the policy (the equality is not that of two no-ops).
@@ -152,6 +164,72 @@ def test_micro_batched_supervised_steps_equal_whole_batch(models):
         one_step(bradley_terry, reward_params, reward_shardings, pairs, 1),
         one_step(bradley_terry, reward_params, reward_shardings, pairs, 2),
     )
+
+
+def hand_rollout() -> tuple[Rollout, Task]:
+    """2 prompts x 4 samples of 1 to 4 tokens (one cut short), scored by a table of responses;
+    the second prompt's samples all score alike (an Online DPO tie: a micro-batch of weight 0)."""
+    rng = np.random.default_rng(5)
+    prompts = [PromptItem("a", (11, 12, 13), None), PromptItem("b", (14, 15), None)]
+    lengths = [2, 4, 1, 3, 3, 2, 4, 1]
+    samples = [
+        Sample(row // 4, row % 4, tuple(int(t) for t in rng.integers(3, 300, n)),
+               tuple(float(x) for x in rng.uniform(-3.0, -0.5, n)),
+               "length" if row == 1 else "stop", 0)
+        for row, n in enumerate(lengths)
+    ]  # fmt: skip
+    scores = dict(zip((s.token_ids for s in samples), [1.0, 0.0, 0.5, 0.2] + [0.3] * 4,
+                      strict=True))  # fmt: skip
+    task = Task("hand", [], [], pad_id=0, decode=tuple, verify=lambda _, ids: scores[ids])
+    return Rollout(0, prompts, samples, 0, 0.0), task
+
+
+def learner_after_one_update(path, loss: str, micro_batch_size: int):
+    """(metrics, state before, state after) of one `Learner.learn` on `hand_rollout()`, with
+    config.train.micro_batch_size = `micro_batch_size`."""
+    config = base_config()
+    config.model.path = str(path)
+    config.loss = loss
+    config.loss_params.kl_coef = 0.05
+    config.rollout.prompts_per_batch, config.rollout.samples_per_prompt = 2, 4
+    config.rollout.max_prompt_tokens, config.rollout.max_response_tokens = 4, 4
+    config.train.learning_rate = 1e-3
+    config.train.micro_batch_size = micro_batch_size
+    validate(resolve(config))
+    learner = Learner(config, path, make_mesh((1, 1, 1), jax.devices()[:1]))
+    before = jax.device_get(learner.state)
+    metrics = learner.learn(*hand_rollout())
+    return metrics, before, jax.device_get(learner.state)
+
+
+@pytest.mark.parametrize("loss", ["online_dpo", "ppo"])
+def test_learner_micro_batches_from_the_config_equal_the_whole_batch(loss, models):
+    """`train.micro_batch_size=2` gives the gradient, update, loss and metrics of the whole
+    batch: the key reaches the train step (2 pairs or 4 x 2 rows) and the reference, value and
+    recompute forwards (2 rows at a time)."""
+    path = models[0]
+    whole, before, whole_state = learner_after_one_update(path, loss, 0)
+    micro, _, micro_state = learner_after_one_update(path, loss, 2)
+    compared = [k for k in whole if k == "loss" or k.startswith("loss/") or k == "kl"]
+    assert "loss/grad_norm" in compared
+    assert_same_metrics({k: whole[k] for k in compared}, {k: micro[k] for k in compared})
+    # Adam's moments after one step are the (clipped) gradient and its square: equal up to
+    # float32 summation order, relative to the largest element.
+    moments = zip(jax.tree.leaves(whole_state.opt_state), jax.tree.leaves(micro_state.opt_state),
+                  strict=True)  # fmt: skip
+    for a, b in moments:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * np.abs(a).max())
+    # Its update, about lr per parameter whatever the gradient, amplifies the rounding of a
+    # gradient near its epsilon (1e-8): a looser bound, which a missed part still breaks.
+    lr = 1e-3
+    leaves = zip(jax.tree.leaves(before.params), jax.tree.leaves(whole_state.params),
+                 jax.tree.leaves(micro_state.params), strict=True)  # fmt: skip
+    for start, a, b in leaves:
+        np.testing.assert_allclose(np.asarray(b) - start, np.asarray(a) - start, rtol=0,
+                                   atol=0.05 * lr)  # fmt: skip
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), whole_state.params, before.params)
+    assert max(jax.tree.leaves(moved)) > 0.5 * lr
 
 
 def test_forward_in_micro_batches_with_padding_rows(models):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.losses.common import masked_mean
+from jaxrlhf.losses.common import masked_count, masked_mean
 from jaxrlhf.losses.inputs import LossInputs, masked_sequence_logprobs, pair_batch
 
 
@@ -58,7 +58,9 @@ def copg_loss(
 
     Metrics (means over valid pairs): reward_gap = |r(y) − r(y′)|, implicit_gap =
     |β Δ log π/π_ref|, residual_rms = sqrt(mean Δ²), and accuracy = frac of pairs with
-    r(y) ≠ r(y′) whose implicit gap has the reward gap's sign.
+    r(y) ≠ r(y′) whose implicit gap has the reward gap's sign; `weight/accuracy` = the count of
+    those pairs, which a micro-batched step (`jaxrlhf.train_state.build_train_step`) weights
+    accuracy by (residual_rms it combines as a root mean square).
     """
     first_logps = jnp.asarray(first_logps, jnp.float32)
     second_logps = jnp.asarray(second_logps, jnp.float32)
@@ -81,6 +83,7 @@ def copg_loss(
         "implicit_gap": masked_mean(jnp.abs(implicit_gap), valid),
         "residual_rms": jnp.sqrt(masked_mean(jax.lax.stop_gradient(residual) ** 2, valid)),
         "accuracy": masked_mean(jnp.sign(implicit_gap) == jnp.sign(reward_gap), ordered),
+        "weight/accuracy": masked_count(ordered),
     }
     return loss, metrics
 

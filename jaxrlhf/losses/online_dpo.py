@@ -55,7 +55,9 @@ def online_dpo_loss(
 
     Metrics (means over valid pairs): accuracy = frac(h > 0); chosen_rewards / rejected_rewards =
     β(log π − log π_ref) of y⁺ / y⁻ (DPO's implicit reward); margins = chosen − rejected = β h;
-    valid_fraction = frac of pairs kept.
+    valid_fraction = frac of pairs kept, a mean over all N pairs: `weight/valid_fraction` = N
+    says so to a micro-batched step (`jaxrlhf.train_state.build_train_step`), which weights the
+    others by the valid pairs.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(
@@ -85,6 +87,7 @@ def online_dpo_loss(
         "chosen_rewards": masked_mean(chosen_rewards, valid),
         "rejected_rewards": masked_mean(rejected_rewards, valid),
         "valid_fraction": jnp.mean(valid.astype(jnp.float32)),
+        "weight/valid_fraction": jnp.float32(valid.shape[0]),
     }
     return loss, metrics
 

@@ -127,9 +127,10 @@ def train_supervised(
     num_rows = len(next(iter(train.values())))
     # One process writes the metrics (the others discard theirs: the same figures).
     metrics_path = out / "metrics.jsonl" if is_driver() else Path(os.devnull)
-    mode = "a" if start_step else "w"
+    if start_step and is_driver():
+        keep_logged_steps(metrics_path, start_step)
     try:
-        with open(metrics_path, mode) as metrics_file:
+        with open(metrics_path, "a" if start_step else "w") as metrics_file:
             for step in range(start_step, config.total_steps):
                 rows = batch_rows(num_rows, bs, step, config.seed)
                 batch = shard_global({k: v[rows] for k, v in train.items()}, mesh)
@@ -156,6 +157,23 @@ def train_supervised(
         **{f"eval_{k}_end": v for k, v in eval_end.items()},
     }
     return state, summary
+
+
+def keep_logged_steps(metrics_path: Path, last_step: int) -> None:
+    """Drops the lines of steps after `last_step` from metrics.jsonl: a run stopped between two
+    checkpoints logged steps that the resumed run trains again, and would log twice (a line
+    cut short by a kill is one of those: a step's line is complete before its checkpoint)."""
+    if not metrics_path.exists():
+        return
+    kept = []
+    for line in metrics_path.read_text().splitlines(keepends=True):
+        try:
+            step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError):
+            continue
+        if step <= last_step and line.endswith("\n"):
+            kept.append(line)
+    metrics_path.write_text("".join(kept))
 
 
 def _fmt(metrics: dict[str, float]) -> str:
