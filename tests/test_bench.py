@@ -33,6 +33,7 @@ def assert_positive_finite(row, *keys):
         assert math.isfinite(row[key]) and row[key] > 0, (key, row)
 
 
+@pytest.mark.slow  # a whole bench run (learner compile + steps): minutes on 2 cores
 def test_learner_step(tiny_llama):
     # The suite's 8 fake CPU devices stay: mesh (1, -1, 1) is then fsdp=8, and a batch of 8
     # really is split over them. The contraction block must reach the model it builds.
@@ -51,6 +52,7 @@ def test_learner_step(tiny_llama):
     )
 
 
+@pytest.mark.slow  # a whole bench run (learner compile + steps): minutes on 2 cores
 def test_parity_fp64(tiny_llama):
     *per_seed, matmul = run_bench(
         [sys.executable, "bench/parity_fp64.py", "--model", str(tiny_llama), "--seeds", "0", "1"]
@@ -126,6 +128,7 @@ def test_gpu_learner_smoke(tiny_llama, tmp_path):
         assert_positive_finite(row, "step_s_median", "ratio")
 
 
+@pytest.mark.slow  # compiles the plan's programs: over a minute on 2 cores
 def test_plan_check():
     # The tiny config's learner programs on one CPU device beside its plan (the CPU keeps no
     # peak-memory statistics: the measured figure is null there, a number on a GPU).

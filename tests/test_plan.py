@@ -30,6 +30,7 @@ def run_plan(*args):
     return result.stdout.splitlines()
 
 
+@pytest.mark.slow  # compiles every program of a recipe stage: over a minute on 2 cores
 def test_cli_prints_the_plan_and_a_json_last_line():
     lines = run_plan("--config=configs/tiny.py")
     result = json.loads(lines[-1])

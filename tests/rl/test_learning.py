@@ -94,6 +94,7 @@ WINDOW = 4  # steps averaged at each end
 MARGIN = 0.25  # the untrained policy scores ~0.25: the end must reach ~0.5 or more
 
 
+@pytest.mark.slow  # trains each loss end to end: about a minute each on 2 cores
 @pytest.mark.parametrize("loss", sorted(SETTINGS))
 def test_loss_raises_the_reward(loss, tiny_llama, tmp_path):
     learning_rate, loss_params = SETTINGS[loss]

@@ -56,6 +56,7 @@ def run(generator, model_dir, output_dir, task, loss, max_staleness, **loss_para
     return result.metrics
 
 
+@pytest.mark.slow  # two whole runs per loss (sync, then replayed async)
 @pytest.mark.parametrize(
     "loss, loss_params",
     [("online_dpo", {}), ("ppo", {"old_logprobs": "learner", "truncated_is_cap": 2.0})],
