@@ -20,6 +20,8 @@ from generator_service.engine import GIB, EngineConfig
 from generator_service.server import EngineDiedError, ServerOptions, serve
 from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
 
+# Refuses to start an engine when set (its value says who forbids it): `make test-fast` sets it.
+NO_ENGINE_ENV = "JAXRLHF_NO_ENGINE"
 # What to change when the engine cannot start (out of memory is the usual cause).
 START_HINT = (
     "If memory ran short: on CPU pass a smaller --kv-cache-gib (default: a quarter of the free "
@@ -88,6 +90,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def lead_process_group() -> None:
+    """Makes this server the leader of a process group of its own, unless it leads one already
+    (a shell's job, a new session). vLLM's processes are born into it, and the reaper kills the
+    group as a whole once the server is gone (`generator_service.reaper`): a group started by
+    another program (the learner) must not be killed with it."""
+    if os.getpgrp() != os.getpid():
+        os.setpgid(0, 0)
+
+
 def stop_with_parent() -> None:
     """When started with an inherited pipe ($JAXRLHF_PARENT_FD, jaxrlhf.rl.service), stop
     (SIGTERM: drain and exit) once the process holding its other end is gone."""
@@ -106,6 +117,11 @@ def stop_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if os.environ.get(NO_ENGINE_ENV):
+        # Set by `make test-fast`: a test that starts a generator there lacks its engine fixture.
+        print(f"error: {NO_ENGINE_ENV} is set: {os.environ[NO_ENGINE_ENV]}", file=sys.stderr)
+        return 3
+    lead_process_group()
     stop_with_parent()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

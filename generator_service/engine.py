@@ -480,6 +480,9 @@ class GeneratorEngine:
                 f"policy_version {policy_version} is not newer than the served version "
                 f"{self.policy_version}",
             )
+        hold = failpoints.hit("pause_for_swap")  # (chaos tests only)
+        if hold is not None:
+            await self._wait_for_tokens(hold)
         # "drain": the gate already drained our calls; "wait" also covers anything else in the
         # engine. "in-flight": running requests stay where they are, frozen.
         await self._llm.pause_generation(
@@ -517,6 +520,19 @@ class GeneratorEngine:
         self.serving = True
         self.num_updates += 1
         self.last_update_unix_time = time.time()
+
+    async def _wait_for_tokens(self, count: int, timeout: float = 120.0) -> None:
+        """Waits until every running request has generated `count` tokens (or `timeout`), so
+        that the swap after it lands at a known place in them (the `pause_for_swap` failpoint).
+        Reads vLLM's own record of each request's output tokens, which it keeps even though
+        the outputs themselves are only sent once finished."""
+        states = self._llm.output_processor.request_states
+        deadline = time.monotonic() + timeout
+        while any(state.detokenizer.num_output_tokens() < count for state in states.values()):
+            if time.monotonic() > deadline:
+                logger.warning("failpoint: running requests never reached %d tokens", count)
+                return
+            await asyncio.sleep(0.001)
 
     def shutdown(self) -> None:
         """Stops the engine processes. Drops our reference at once so that AsyncLLM.__del__

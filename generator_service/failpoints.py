@@ -8,10 +8,14 @@ Off unless `$JAXRLHF_FAILPOINTS` names a file. Each line of that file arms one p
 - `update_weights 3 stop`: SIGSTOP it (it hangs, alive) in its 3rd weight update since,
   received and checked, before the swap;
 - `reload_weights 1 fail`: make its next swap fail (raise) after the engine loaded the new
-  weights and before it relabels them: a swap that dies half-way.
+  weights and before it relabels them: a swap that dies half-way;
+- `pause_for_swap 1 tokens=50`: hold its next swap, before it pauses the engine, until every
+  running request has generated 50 tokens: the swap lands at a known place in them.
 
-A point fires once: the file is deleted first, so a replica restarted with the same environment
-runs clean. The engine's processes go with a killed server (`generator_service.reaper`).
+A point fires once: its line is removed from the file first (the file is deleted once empty),
+so a replica restarted with the same environment runs clean, and the lines left count their
+passes anew from there. The engine's processes go with a killed server
+(`generator_service.reaper`).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import signal
 from pathlib import Path
 
 ENV = "JAXRLHF_FAILPOINTS"
-POINTS = ("generate_completion", "update_weights", "reload_weights")
+POINTS = ("generate_completion", "update_weights", "reload_weights", "pause_for_swap")
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "fail": None}
+TOKENS = "tokens="  # `tokens=N`: the caller holds until N tokens (see `hit`)
 
 logger = logging.getLogger(__name__)
 
@@ -37,27 +42,44 @@ _armed: tuple[int, str] | None = None  # (mtime, contents) of the file the count
 _counts: collections.Counter[str] = collections.Counter()
 
 
-def hit(point: str) -> None:
-    """Counts a pass through `point`; fires the action armed for this count, if any."""
+def hit(point: str) -> int | None:
+    """Counts a pass through `point`; fires the action armed for this count, if any. Returns N
+    for `tokens=N`, an action the caller performs itself (it knows what to wait for), else None.
+    """
     global _armed
     path = os.environ.get(ENV)
     if not path:
-        return
+        return None
     try:
         armed = (os.stat(path).st_mtime_ns, Path(path).read_text())
     except FileNotFoundError:
-        return
+        return None
     if armed != _armed:  # newly armed: count from here
         _armed = armed
         _counts.clear()
     _counts[point] += 1
-    for line in armed[1].splitlines():
+    lines = armed[1].splitlines()
+    for index, line in enumerate(lines):
         fields = line.split()
         if len(fields) == 3 and fields[0] == point and int(fields[1]) == _counts[point]:
-            Path(path).unlink(missing_ok=True)
+            _disarm(Path(path), lines[:index] + lines[index + 1 :])
             logger.warning("failpoint %s %s: %s", point, fields[1], fields[2])
             for handler in logging.getLogger().handlers:
                 handler.flush()
-            if ACTIONS[fields[2]] is None:
+            action = fields[2]
+            if action.startswith(TOKENS):
+                return int(action.removeprefix(TOKENS))
+            if ACTIONS[action] is None:
                 raise FailpointError(f"failpoint {point} {fields[1]} fail")
-            os.kill(os.getpid(), ACTIONS[fields[2]])
+            os.kill(os.getpid(), ACTIONS[action])
+    return None
+
+
+def _disarm(path: Path, left: list[str]) -> None:
+    """Leaves only the lines `left` armed (none: the file is deleted), before a point fires."""
+    if not any(line.strip() for line in left):
+        path.unlink(missing_ok=True)
+        return
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(line + "\n" for line in left))
+    os.replace(partial, path)

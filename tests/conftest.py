@@ -14,6 +14,27 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+# Fixtures that start a vLLM engine. A test that uses one of them, directly or through the
+# fixtures it uses, is marked `slow` when collected: `make test-fast` (-m "not slow") then starts
+# no engine. A test that starts its own generator (a `python -m jaxrlhf.main` run, a replica of
+# its own) takes `own_generator`.
+ENGINE_FIXTURES = frozenset({"generator_server", "start_generator_server", "own_generator"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if ENGINE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    if "not slow" in (config.getoption("markexpr") or ""):
+        # A generator started anyway (a test without its engine fixture) refuses to start, so
+        # the test fails instead of starting an engine unnoticed.
+        from generator_service.__main__ import NO_ENGINE_ENV
+
+        os.environ[NO_ENGINE_ENV] = "a test of `-m 'not slow'` started a generator service"
+
 REPO = Path(__file__).resolve().parent.parent
 # Generated models live in the git-ignored cache so reruns reuse them.
 TEST_CACHE = Path(os.environ.get("JAXRLHF_TEST_CACHE", REPO / ".cache" / "test-models"))
@@ -54,6 +75,11 @@ def start_test_server(model_dir, log_path, extra_args=(), env=None):
         [*args, *extra_args],
         env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
     )
+
+
+@pytest.fixture
+def own_generator() -> None:
+    """Taken by a test that starts a generator service of its own (it is marked slow)."""
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,21 +23,46 @@ from jaxrlhf_wire import READY_LINE  # printed by generator_service.server once 
 PARENT_FD_ENV = "JAXRLHF_PARENT_FD"
 
 
+class ServerPopen(subprocess.Popen):
+    """The server's process, owning our end of its lifeline pipe: the end is closed once the
+    process is reaped (`wait` or `poll` saw it exit), however that came about, so that a
+    replica killed and restarted (`process.kill(); process.wait()`) leaks no descriptor."""
+
+    def __init__(self, *args, lifeline: int, **kwargs) -> None:
+        self._lifeline, self._lifeline_lock = lifeline, threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def close_lifeline(self) -> None:
+        """Closes our end (once, whichever thread comes first): the server then stops."""
+        with self._lifeline_lock:
+            fd, self._lifeline = self._lifeline, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def poll(self) -> int | None:
+        code = super().poll()
+        if code is not None:
+            self.close_lifeline()
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = super().wait(timeout)
+        self.close_lifeline()
+        return code
+
+
 @dataclasses.dataclass
 class ServerProcess:
-    process: subprocess.Popen
+    process: ServerPopen
     address: str
     log_path: Path
-    lifeline: int = -1  # our end of the pipe the server watches
 
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM, then wait; returns the exit code (kills it if it overstays)."""
-        if self.lifeline >= 0:
-            os.close(self.lifeline)
-            self.lifeline = -1
+        self.process.close_lifeline()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
@@ -69,8 +95,9 @@ def start_server(
     full_env = dict(os.environ, **(env or {}), **{PARENT_FD_ENV: str(watched)})
     try:
         with open(log_path, "w") as log:
-            process = subprocess.Popen(
+            process = ServerPopen(
                 command,
+                lifeline=lifeline,
                 cwd=repo_root,
                 env=full_env,
                 stdout=log,
@@ -82,7 +109,7 @@ def start_server(
         raise
     finally:
         os.close(watched)
-    server = ServerProcess(process, "", log_path, lifeline)
+    server = ServerProcess(process, "", log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in log_path.read_text(errors="replace").splitlines():

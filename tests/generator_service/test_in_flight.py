@@ -1,11 +1,13 @@
 """In-flight weight swaps against a real engine (`--swap-mode in-flight`), per KV-cache policy.
 
-A long greedy generation runs while an update lands: its tokens switch version exactly once,
-the tokens before the switch are transformers' greedy tokens on the old weights and the tokens
-after it transformers' greedy tokens on the new weights given the prefix (with the KV cache
-recomputed, or kept as the engine keeps it: `Reference.greedy_after_swap`), each token's
-log-prob is that of the weights that sampled it, and UpdateWeights returns before the
-generation ends. A refused update and a swap that fails half-way never let a running request
+A long greedy generation runs while an update lands, held by a failpoint until every running
+request has HOLD_TOKENS tokens (not timed: on 2 shared cores a sleep lands anywhere): its
+tokens switch version exactly once, at HOLD_TOKENS or a few steps later, the tokens before the
+switch are transformers' greedy tokens on the old weights and the tokens after it
+transformers' greedy tokens on the new weights given the prefix (with the KV cache recomputed,
+or kept as the engine keeps it: `Reference.greedy_after_swap`), each token's log-prob is that
+of the weights that sampled it (in both modes), and UpdateWeights returns before the generation
+ends. A refused update and a swap that fails half-way never let a running request
 continue on anything but the old weights. A client built from the .proto alone sees the
 per-token versions.
 """
@@ -33,6 +35,13 @@ LONG_PROMPT = list(range(5, 45))
 # Run beside it: slower steps, so that the update lands well inside the generation.
 FILLERS = [[11, 12, 13], [100, 101], [7, 8, 9, 10], [50, 51, 52], [300, 301], [3, 2, 1, 0, 4]]
 MAX_TOKENS = 200
+# Where swaps land: every request has this many tokens when the engine pauses for it.
+HOLD_TOKENS = 60
+# Engine and reference log-probs, both float32, differ only by summation order (paged against
+# eager attention, over up to 240 positions): far below this. A KV cache computed with the
+# wrong weights moves them by more than 5x this (the swap test asserts it for its tokens), so
+# the check tells the two KV policies apart.
+LOGPROB_ATOL = 2e-3
 
 
 class Server:
@@ -67,11 +76,6 @@ def in_flight(request, tiny_llama, tmp_path_factory, start_generator_server):
     server.kv = kv
     # The engine's first reload is slow (~2 s, set-up); later ones take milliseconds.
     server.push(perturbed(server.tensors, seed=10))
-    # How long the long call takes undisturbed (warm): updates are sent a third of the way in.
-    for _ in range(2):
-        started = time.monotonic()
-        _greedy(client, [LONG_PROMPT, *FILLERS])
-        server.long_seconds = time.monotonic() - started
     yield server
     client.close()
     process.terminate()
@@ -81,6 +85,13 @@ def _greedy(client, prompts, max_tokens=MAX_TOKENS) -> list:
     completions = client.generate(prompts, max_tokens=max_tokens, temperature=0.0,
                                   ignore_eos=True)  # fmt: skip
     return sorted(completions, key=lambda completion: completion.prompt_index)
+
+
+def _hold_the_next_swap(server) -> None:
+    """Arms the failpoint that holds the server's next swap until every running request has
+    HOLD_TOKENS tokens."""
+    with open(server.failpoints, "a") as armed:
+        armed.write(f"pause_for_swap 1 tokens={HOLD_TOKENS}\n")
 
 
 def _during_long_generation(server, action):
@@ -102,7 +113,6 @@ def _during_long_generation(server, action):
     while server.client.status().num_requests_running < 1 + len(FILLERS):
         assert time.monotonic() < deadline, "the long call never ran"
         time.sleep(0.002)
-    time.sleep(server.long_seconds / 3)
     outcome = action()
     returned = time.monotonic()
     thread.join(timeout=300)
@@ -118,6 +128,7 @@ def test_status_reports_the_mode(in_flight):
 def test_a_swap_lands_in_a_running_generation(in_flight, reference):
     old, old_version = in_flight.tensors, in_flight.version
     new = perturbed(old, seed=11)
+    _hold_the_next_swap(in_flight)
     completions, response, early = _during_long_generation(in_flight, lambda: in_flight.push(new))
     assert response.policy_version == old_version + 1
     assert early, "UpdateWeights must return before the running generation finishes"
@@ -126,23 +137,24 @@ def test_a_swap_lands_in_a_running_generation(in_flight, reference):
         tokens, versions = list(completion.token_ids), list(completion.token_policy_versions)
         assert len(tokens) == len(versions) == len(completion.logprobs) == MAX_TOKENS
         switch = versions.index(old_version + 1)  # ValueError: the swap missed this request
-        assert 0 < switch < MAX_TOKENS
+        assert HOLD_TOKENS <= switch < MAX_TOKENS
         assert versions == [old_version] * switch + [old_version + 1] * (MAX_TOKENS - switch)
         assert completion.policy_version == old_version  # of the first token
         before, after = tokens[:switch], tokens[switch:]
         assert before == reference.greedy(old, prompt, switch)
         assert after == reference.greedy_after_swap(old, new, prompt, before, len(after),
                                                     in_flight.kv)  # fmt: skip
-        if in_flight.kv == "recompute":
-            # Each token's log-prob is that of the weights that sampled it.
-            np.testing.assert_allclose(
-                completion.logprobs[:switch], reference.logprobs(old, prompt, before, 1.0),
-                atol=2e-3,
-            )  # fmt: skip
-            np.testing.assert_allclose(
-                completion.logprobs[switch:],
-                reference.logprobs(new, prompt + before, after, 1.0), atol=2e-3,
-            )  # fmt: skip
+        # Each token's log-prob is that of the weights that sampled it (and of the KV cache
+        # the engine had: computed with the old weights up to the swap, when kept).
+        np.testing.assert_allclose(
+            completion.logprobs[:switch], reference.logprobs(old, prompt, before, 1.0),
+            atol=LOGPROB_ATOL,
+        )  # fmt: skip
+        expected = reference.logprobs_after_swap(old, new, prompt, before, after, in_flight.kv)
+        np.testing.assert_allclose(completion.logprobs[switch:], expected, atol=LOGPROB_ATOL)
+        other_kv = {"keep": "recompute", "recompute": "keep"}[in_flight.kv]
+        other = reference.logprobs_after_swap(old, new, prompt, before, after, other_kv)
+        assert np.abs(other - expected).max() > 5 * LOGPROB_ATOL  # the check tells them apart
 
     # A new request never reuses prefix-cache entries computed with the old weights: the same
     # 40-token prompt now gives the new weights' greedy tokens exactly.
@@ -174,7 +186,9 @@ def test_a_swap_failing_half_way_aborts_running_requests(in_flight, reference):
     requests end (UNAVAILABLE) instead of going on, and new calls are refused until a complete
     update succeeds."""
     version = in_flight.version
-    in_flight.failpoints.write_text("reload_weights 1 fail\n")
+    _hold_the_next_swap(in_flight)
+    with open(in_flight.failpoints, "a") as armed:
+        armed.write("reload_weights 1 fail\n")
 
     def failing_push():
         with pytest.raises(grpc.RpcError) as error:

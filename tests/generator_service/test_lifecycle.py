@@ -6,12 +6,17 @@ instead of answering every call with an error: whoever started it can restart it
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from generator_service.reaper import descendants
 from jaxrlhf.rl.service import start_server
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -77,3 +82,102 @@ def _command(pid: int) -> str:
             return cmdline.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+@pytest.mark.slow
+def test_an_engine_spawned_just_before_the_server_dies_dies_too(tiny_llama, tmp_path):
+    """The server is SIGKILLed the moment its first engine process exists, before the reaper's
+    next scan could have seen it: every process it started (all carry a marker in their
+    environment, orphans included) is gone within a bounded time."""
+    marker = f"JAXRLHF_TEST_MARK=lifecycle-{os.getpid()}-{time.monotonic_ns()}"
+    key, value = marker.split("=", 1)
+    with open(tmp_path / "server.log", "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "generator_service", "--model", str(tiny_llama), "--port", "0",
+             "--dtype", "float32", "--max-model-len", "256"],
+            cwd=REPO, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", key: value},
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not any(_is_engine(pid) for pid, _ in descendants(server.pid)):
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "no engine process started"
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + 30
+        while (left := _marked(marker)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = (tmp_path / "server.log").read_text()[-3000:]
+        assert not left, f"outlived the server: {[_command(pid) for pid in left]}\n{log}"
+    finally:
+        if server.poll() is None:
+            server.kill()
+        for pid in _marked(marker):  # never leave an orphan behind, even when the test fails
+            os.kill(pid, signal.SIGKILL)
+
+
+def _is_engine(pid: int) -> bool:
+    """Whether `pid` is one of vLLM's processes (multiprocessing spawns them), not the reaper."""
+    return "multiprocessing" in _command(pid)
+
+
+def _marked(marker: str) -> list[int]:
+    """Live (not zombie) processes whose environment holds `marker`, this one excepted."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+# Stands in for `python -m generator_service` (it ignores its arguments): says it serves, then
+# stops once the lifeline pipe ends, as the real server does.
+FAKE_SERVER = """#!{python}
+import os
+print("{ready} 127.0.0.1:1", flush=True)
+while os.read(int(os.environ["JAXRLHF_PARENT_FD"]), 1):
+    pass
+"""
+
+
+@pytest.fixture
+def fake_server(tmp_path, monkeypatch):
+    """`start_server` starts FAKE_SERVER instead of the real one (no engine: the descriptors
+    the learner holds do not depend on what the server does)."""
+    from jaxrlhf_wire import READY_LINE
+
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_SERVER.format(python=sys.executable, ready=READY_LINE))
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    return tmp_path
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_restarts_leak_no_descriptor(fake_server):
+    """A replica killed and restarted, as `jaxrlhf.stages.rlhf` restarts one
+    (`process.kill(); process.wait()`, then `start_server`): the learner's open descriptors
+    stay flat, and so after `terminate`."""
+
+    def kill_and_restart(index: int) -> None:
+        server = start_server("model", fake_server / f"restart{index}.log")
+        server.process.kill()
+        server.process.wait()
+
+    kill_and_restart(0)  # anything opened once (imports, caches) is opened now
+    before = _open_fds()
+    for index in range(1, 6):
+        kill_and_restart(index)
+    start_server("model", fake_server / "terminated.log").terminate()
+    assert _open_fds() == before

@@ -183,7 +183,7 @@ def test_shared_update_swaps_weights_and_version(client, served, reference):
     version = served.policy_version + 1
     with _shared_file(client, new) as shared:
         response = client.update_weights_shared(shared.request(version))
-    served.policy_version, served.tensors = version, new
+        served.record(version, new)
     assert response.policy_version == version and response.num_tensors == len(new)
     assert response.num_bytes == sum(value.nbytes for value in new.values())
     tokens, versions = greedy(client)
@@ -266,12 +266,12 @@ def test_pool_picks_the_shared_file_for_a_local_server_and_streams_when_told(
         try:
             version = served.policy_version + 1
             pool.publish_weights(lambda n=new: iter(n.items()), len(new), version, specs=specs)
+            served.record(version, new)
             assert pool._transport.name == ("shared" if transport == "auto" else "stream")
             shared_file = getattr(pool._transport, "_file", None)
             shared_path = shared_file.path if shared_file is not None else None
         finally:
             pool.close()
-        served.policy_version, served.tensors = version, new
         assert shared_path is None or not os.path.exists(shared_path)  # removed on close
         tokens, versions = greedy(client)
         assert versions == {version}
