@@ -9,13 +9,16 @@ over when A dies; a stopped B is continued after a while, as an operator would. 
 then:
 
 - exit 0, every step having trained exactly the prompts of its schedule, each with its k
-  samples (`prompts`, `samples`, `prompt_ids` per step in metrics.jsonl);
+  samples, each once (`samples_returned` per step in metrics.jsonl: what came back from the
+  generators, as (prompt id, sample index));
 - keep every version tag within the staleness bound;
 - see the replica fail, its work fail over to the other, and it (back at its address) rejoin:
   it ends at the run's final version;
 - leave no engine process of a killed replica behind.
 
-Last, one replica started by `jaxrlhf.main` itself is killed: the run restarts it and finishes.
+A run on one replica whose swap fails half-way (it then reports NOT_SERVING) must see it rejoin
+with the full weights and finish. Last, one replica started by `jaxrlhf.main` itself is killed:
+the run restarts it and finishes.
 """
 
 from __future__ import annotations
@@ -146,7 +149,11 @@ def check_run(output_dir, output: str, steps: int = STEPS) -> list[dict]:
     schedule = prompts_for_batch_fn(_tiny_task(), PROMPTS, 0)
     for r in records:
         assert (r["prompts"], r["samples"]) == (PROMPTS, PROMPTS * SAMPLES), r
-        assert r["prompt_ids"] == [p.id for p in schedule(r["step"] - 1)], r["step"]
+        ids = [p.id for p in schedule(r["step"] - 1)]
+        assert r["prompt_ids"] == ids, r["step"]
+        # What came back: each prompt of the schedule with each of its samples, once.
+        expected = sorted([prompt_id, k] for prompt_id in ids for k in range(SAMPLES))
+        assert sorted(r["samples_returned"]) == expected, r["step"]
         assert 0 <= r["staleness_max"] <= 1, r
     return records
 
@@ -237,6 +244,29 @@ def test_the_loop_survives_a_replica(replicas, tmp_path, failpoint, kind):
             time.sleep(0.2)
         assert gone(engine), f"{kind}: the killed replica's engine processes remain"
         a.add_standby()  # for the next kill
+
+
+def test_a_replica_left_not_serving_by_a_failed_swap_rejoins(replicas, tmp_path):
+    # B alone: its swap of the run's 2nd update (the 3rd since armed, after the run's initial
+    # weights and the 1st update) fails half-way, which leaves it NOT_SERVING. The run must not
+    # stop (the replica answers), and it must rejoin with the full weights, well before
+    # no_replica_timeout_s.
+    _, b = replicas
+    b.only_one()
+    b.arm("reload_weights 3 fail")
+    run = run_loop(tmp_path, b.address, f"--config.model.path={b.model}",
+                   "--config.generator.no_replica_timeout_s=60", steps=8)  # fmt: skip
+    output, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, output[-4000:]
+    assert not b.failpoints.exists(), "the failpoint never fired"
+    records = check_run(tmp_path, output, steps=8)
+    assert totals(records, "generator_failures") >= 1
+    assert totals(records, "generator_rejoins") >= 1, output[-3000:]
+    assert "not serving: its weights are unknown" in output
+    assert records[-1]["generators_live"] == 1
+    assert b.version() == records[-1]["policy_version"]
+    with GeneratorClient(b.address) as client:
+        assert client.status(timeout=10).serving
 
 
 def test_a_replica_started_by_the_run_is_restarted(tmp_path, tiny_llama):

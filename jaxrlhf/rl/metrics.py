@@ -3,7 +3,9 @@ progress bar with the figures a user watches (reward, KL, staleness, throughput)
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,20 @@ class MetricsWriter:
         shown = {label: f"{record[k]:.3g}" for k, label in PROGRESS_KEYS if k in record}
         self._bar.set_postfix(shown, refresh=False)
         self._bar.update(1)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leaves the time spent inside out of the progress bar's elapsed time, rate and ETA:
+        evaluations (927 greedy prompts before training in the default job) are not steps, and
+        counted as one they made the first ETA several times the run's real length."""
+        began = self._bar._time()
+        try:
+            yield
+        finally:
+            # tqdm's own `unpause` shifts its clock the same way (start and last print).
+            spent = self._bar._time() - began
+            self._bar.start_t += spent
+            self._bar.last_print_t += spent
 
     def close(self) -> None:
         self._bar.close()

@@ -9,8 +9,10 @@ A replica is in one of three states:
   `probe_interval` seconds; a replica that the learner started itself (`restart`) is restarted
   instead, a bounded number of times with growing back-off;
 - rejoining: it answers again (restarted, continued, or a replacement at the same address) but
-  may serve stale weights. It first receives the current weights and version (the next
-  publish, or `rejoin` from the learner's thread while it waits for a batch), then it is live.
+  may serve stale weights, or none it can vouch for (NOT_SERVING after a swap that failed
+  half-way). It first receives the learner's current weights and version, in full, whatever it
+  served before (the next publish, or a publish with `rejoining_only` from the learner's thread
+  while it waits for a batch), then it is live.
 
 Generate (`generate`) splits the prompts over the live replicas; a call that fails hands its
 unfinished prompts to the replicas still live (or, when none is, to the first that rejoins):
@@ -18,8 +20,10 @@ completions of prompts the failed replica finished are kept, a prompt it left un
 regenerated whole (its partial samples dropped), so a batch comes back with exactly its prompts
 x n samples, never a duplicate. Publishing (`publish_weights`) goes to every live and rejoining
 replica through the transport (`jaxrlhf.rl.transport`); a replica that cannot take it is marked
-failed and the others go on. A publish that no replica takes is an error, and so is a replica
-refusing an update as malformed (a defect, not a failure). Every call has a deadline
+failed and the others go on. A publish that no replica takes is an error unless a failed
+replica can still come back (it answers, or the run restarts it): it then gets the weights
+when it rejoins, and `generate` waits for it at most `no_replica_timeout`. A replica refusing an
+update as malformed is an error (a defect, not a failure). Every call has a deadline
 (`Timeouts`): a replica that misses one is treated as dead.
 """
 
@@ -57,6 +61,7 @@ REPLICA_DOWN = frozenset({
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
 })  # fmt: skip
 LIVE, FAILED, REJOINING = "live", "failed", "rejoining"
+UNKNOWN_VERSION = -1  # of a replica whose weights are unknown: it is sent the full update
 # gRPC backs off reconnecting to a dead server up to 2 minutes; a replica that comes back must
 # be seen within a probe or two.
 RECONNECT_OPTIONS = (
@@ -96,7 +101,7 @@ class Timeouts:
 class Replica:
     client: GeneratorClient
     state: str = LIVE
-    version: int = -1  # the version it serves, as far as the pool knows
+    version: int = UNKNOWN_VERSION  # the version it serves, as far as the pool knows
     failed_at: float = 0.0
     error: str = ""
     restarts: int = 0
@@ -202,7 +207,8 @@ class GeneratorPool:
         return out
 
     def needs_weights(self) -> bool:
-        """Whether a replica answers again and waits for the current weights (`rejoin`)."""
+        """Whether a replica answers again and waits for the current weights (a publish with
+        `rejoining_only`)."""
         return bool(self._in(REJOINING))
 
     def wait_until_serving(self, timeout: float = 600.0) -> list[generator_pb2.GeneratorStatus]:
@@ -228,11 +234,16 @@ class GeneratorPool:
         """All n completions of every prompt, prompt-major, from the live replicas (failover:
         module docstring). `on_admitted()` runs once every first call was admitted (the server
         says so before its first completion: the batch's weight version is then fixed) or has
-        ended. Replicas serving a version below `min_version` get no work."""
+        ended. Replicas serving a version below `min_version` get no work; when none can take
+        the batch at first, `on_admitted()` runs at once: the learner must not wait for an
+        admission that needs it to bring a replica back (rejoin) or to publish first."""
         n = sampling.get("n", 1)
         done: dict[int, list[Sample]] = {}
         pending = list(range(len(prompts)))
         fired = on_admitted is None
+        if not fired and not self._usable(min_version):
+            fired = True
+            on_admitted()
         attempt = 0
         while pending:
             replicas = self._wait_for_live(min_version)
@@ -315,23 +326,25 @@ class GeneratorPool:
     def _wait_for_live(self, min_version: int | None) -> list[Replica]:
         """The live replicas (serving at least `min_version`); waits for one to (re)join."""
         deadline = time.monotonic() + self.no_replica_timeout
-
-        def usable() -> list[Replica]:
-            return [r for r in self.replicas if r.state == LIVE
-                    and (min_version is None or r.version >= min_version)]  # fmt: skip
-
         with self._cond:
-            while not usable():
+            while not self._usable(min_version):
                 if self._closed.is_set():
                     raise GeneratorError("the generator pool is closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise GeneratorError(
-                        f"no generator replica live for {self.no_replica_timeout:.0f} s: "
-                        + "; ".join(f"{r.target}: {r.state} ({r.error})" for r in self.replicas)
-                    )
+                    need = "" if min_version is None else f" at version >= {min_version}"
+                    states = "; ".join(f"{r.target}: {r.state}, version {r.version} ({r.error})"
+                                       for r in self.replicas)  # fmt: skip
+                    raise GeneratorError(f"no generator replica live{need} for "
+                                         f"{self.no_replica_timeout:g} s: {states}")  # fmt: skip
                 self._cond.wait(min(left, 1.0))
-            return usable()
+            return self._usable(min_version)
+
+    def _usable(self, min_version: int | None) -> list[Replica]:
+        """The live replicas serving at least `min_version`."""
+        with self._cond:
+            return [r for r in self.replicas if r.state == LIVE
+                    and (min_version is None or r.version >= min_version)]  # fmt: skip
 
     # --- weights -----------------------------------------------------------------------------
 
@@ -349,13 +362,19 @@ class GeneratorPool:
 
         `tensor_stream()` gives the tensors (called once per attempt of a streamed update).
         `specs` ([(name, shape, dtype)] of the stream, in order) allows the same-host shared
-        file. `allow_rollback`: replicas accept a version not newer than theirs (resuming).
-        Raises GeneratorError when no replica took it, or one refused it as malformed."""
+        file. `allow_rollback`: replicas accept a version not newer than theirs (resuming); a
+        rejoining replica always does (it takes the current weights whatever it served).
+        Raises GeneratorError when no replica took it and none can come back (module
+        docstring), or one refused it as malformed."""
         started = time.perf_counter()
         targets = self._in(REJOINING) if rejoining_only else self._in(LIVE, REJOINING)
-        already = [r for r in targets if r.version == policy_version and not allow_rollback]
+        # A replica known to serve this very version needs nothing, except from a rollback
+        # to live replicas (there the number may name another run's weights).
+        already = [r for r in targets if r.version == policy_version
+                   and (rejoining_only or not allow_rollback)]  # fmt: skip
         for replica in already:  # came back still serving this version: nothing to send
             self._join(replica, policy_version)
+        allow_rollback = allow_rollback or rejoining_only
         pending = [r for r in targets if r not in already]
         swapped = [r.target for r in already]
         failures: dict[str, str] = {}
@@ -394,11 +413,8 @@ class GeneratorPool:
                 delay = min(delay * 2, 30.0)
             for replica in pending:
                 self._fail(replica, failures[replica.target])
-        if targets and not swapped:
-            raise GeneratorError(
-                f"weight update {policy_version} reached none of {len(targets)} generator(s): "
-                + "; ".join(failures.values())
-            )
+        if targets and not swapped and not rejoining_only:
+            self._none_took(policy_version, len(targets), failures)
         if not rejoining_only:
             self.published_version = policy_version
         return PublishStats(
@@ -412,14 +428,29 @@ class GeneratorPool:
             failed=tuple(failures),
         )
 
-    def rejoin(self, tensor_stream, num_tensors: int, policy_version: int,
-               specs=None) -> PublishStats | None:  # fmt: skip
-        """Sends the current weights to the replicas that answer again (from the learner's
-        thread, while its parameters are the published version); None when none waits."""
-        if not self.needs_weights():
-            return None
-        return self.publish_weights(tensor_stream, num_tensors, policy_version, specs=specs,
-                                    rejoining_only=True)  # fmt: skip
+    def _none_took(self, policy_version: int, count: int, failures: dict[str, str]) -> None:
+        """A publish reached no replica: an error, unless one can come back (then it gets the
+        weights when it rejoins, within `no_replica_timeout` for `generate`)."""
+        message = (
+            f"weight update {policy_version} reached none of {count} generator(s): "
+            + "; ".join(failures.values())
+        )
+        if not self._may_come_back():
+            raise GeneratorError(message)
+        self.log(f"{message}; it goes to the first that rejoins")
+
+    def _may_come_back(self) -> bool:
+        """Whether a failed replica can rejoin: the run restarts it, or it still answers
+        (NOT_SERVING after a failed swap, say)."""
+        for replica in self._in(FAILED):
+            if self.restart is not None and replica.restarts < self.max_restarts:
+                return True
+            try:
+                replica.client.status(timeout=self.timeouts.status)
+            except grpc.RpcError:
+                continue
+            return True
+        return False
 
     def _join(self, replica: Replica, version: int) -> None:
         with self._cond:
@@ -491,14 +522,19 @@ class GeneratorPool:
                 except grpc.RpcError:
                     self._maybe_restart(replica)
                     continue
-                if status.serving:
-                    with self._cond:
-                        replica.state, replica.version = REJOINING, status.policy_version
-                        self._cond.notify_all()
-                    self.log(
-                        f"generator {replica.target} answers again (version "
-                        f"{status.policy_version}): it rejoins with the current weights"
-                    )
+                self._rejoining(replica, status)
+
+    def _rejoining(self, replica: Replica, status: generator_pb2.GeneratorStatus) -> None:
+        """A failed replica answers again: it waits for the current weights. One NOT_SERVING
+        (a swap failed half-way) holds weights of no known version: it gets the full update."""
+        version = status.policy_version if status.serving else UNKNOWN_VERSION
+        with self._cond:
+            replica.state, replica.version = REJOINING, version
+            self._cond.notify_all()
+        served = (f"version {status.policy_version}" if status.serving
+                  else "not serving: its weights are unknown")  # fmt: skip
+        self.log(f"generator {replica.target} answers again ({served}): it rejoins with the "
+                 "current weights")  # fmt: skip
 
     def _maybe_restart(self, replica: Replica) -> None:
         """Restarts a failed replica the learner started, once its back-off has passed."""

@@ -190,19 +190,21 @@ class RolloutProducer:
     def snapshot(self, version: int) -> list[Rollout]:
         """The generated batches not trained on yet, for a checkpoint at learner `version`.
 
-        Waits until every batch that runs on weights older than `version` is complete: those
-        weights are not in the checkpoint, so a resumed run must get these batches from it.
-        (Later batches are regenerated exactly from the checkpoint's weights and seeds.)
+        Waits until every batch that runs on weights older than `version` and can run now is
+        complete: those weights are not in the checkpoint, so a resumed run must get these
+        batches from it. With `sync_every` > 1 the generator may serve a version P older than
+        `version` (no publish was due): the batches needing at most P run on P and are waited
+        for; those needing more wait for the next publish, of weights the resumed run trains
+        again exactly, so they are regenerated exactly (from the checkpoint's weights and
+        seeds) and never waited for here (they could not start before the next publish).
         """
         with self._cond:
+            # The newest version whose batches the checkpoint must hold.
+            held = min(self._published, version - 1)
 
             def complete() -> bool:
                 done = self._next_batch
-                return (
-                    self._failed
-                    or done >= self._end_batch
-                    or self.required_version(done) >= version
-                )
+                return self._failed or done >= self._end_batch or self.required_version(done) > held
 
             self._cond.wait_for(complete)
             if self._failed:

@@ -14,6 +14,7 @@ only waits on gRPC. Checkpoints hold everything needed to continue exactly (see 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -26,6 +27,7 @@ import numpy as np
 from jaxrlhf.checkpointing import Checkpointer
 from jaxrlhf.distributed import broadcast, driven_streams, is_driver
 from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, save_pretrained
+from jaxrlhf.rl.eval_cache import EvaluationCache, folder_digest
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.metrics import MetricsWriter
 from jaxrlhf.rl.pool import GeneratorPool
@@ -70,24 +72,51 @@ def prompts_for_batch_fn(task: Task, prompts_per_batch: int, seed: int):
     return prompts_for_batch
 
 
+def greedy_sampling(max_tokens: int) -> dict[str, Any]:
+    """The sampling of every evaluation: one greedy response per prompt."""
+    return dict(n=1, temperature=0.0, max_tokens=max_tokens)
+
+
+def greedy_responses(
+    pool: GeneratorPool, prompts: list[PromptItem], max_tokens: int
+) -> list[tuple[int, ...]]:
+    """The greedy response to each prompt, in order, from the weights the generator serves now."""
+    samples = pool.generate([p.token_ids for p in prompts], greedy_sampling(max_tokens))
+    return [s.token_ids for s in samples]  # prompt-major, one per prompt
+
+
 def evaluate_greedy(
     pool: GeneratorPool | None,
     task: Task,
     prompts: list[PromptItem],
     max_tokens: int,
     learner: Learner,
+    cache: EvaluationCache | None = None,
 ) -> np.ndarray:
     """Per-prompt scores (correctness for verifiable tasks, else reward-model reward) of greedy
-    responses to `prompts` with the weights the generator serves now (the driver generates;
-    every process scores: a reward model runs on the whole mesh)."""
-    samples = None
+    responses to `prompts` with the weights the generator serves now (the driver generates, or
+    reads them from `cache`, which must describe those weights; every process scores: a reward
+    model runs on the whole mesh)."""
+    responses = None
     if is_driver():
-        samples = pool.generate([p.token_ids for p in prompts], dict(n=1, temperature=0.0,
-                                max_tokens=max_tokens))  # fmt: skip
-    samples = broadcast(samples)
-    return learner.score(
-        task, [prompts[s.prompt_index] for s in samples], [s.token_ids for s in samples]
+        ids, sampling = [p.token_ids for p in prompts], greedy_sampling(max_tokens)
+        responses = cache.load(ids, sampling) if cache is not None else None
+        if responses is None:
+            responses = greedy_responses(pool, prompts, max_tokens)
+            if cache is not None:
+                cache.store(ids, sampling, responses, note=f"{task.name}: {len(ids)} prompts")
+    responses = broadcast(responses)
+    return learner.score(task, prompts, responses)
+
+
+def start_evaluation_cache(pool: GeneratorPool, model_path: Path) -> EvaluationCache:
+    """The cache of the greedy responses of `model_path`'s own weights as the pool's generators
+    serve them (the driver's; only valid while they serve that folder's weights, version 0)."""
+    fields = ("vllm_version", "dtype", "max_model_len")
+    generators = sorted(
+        {tuple(str(getattr(s, f, "")) for f in fields) for s in pool.wait_until_serving()}
     )
+    return EvaluationCache(folder_digest(model_path), {"generators": generators})
 
 
 def standard_error(scores: np.ndarray) -> float:
@@ -121,16 +150,18 @@ REJOIN_POLL_SECONDS = 1.0
 
 def receive_batch(learner, producer, pool, version: int, sync_dtype) -> Rollout:
     """The next batch (the driver's, on every process). While it is not there, replicas that
-    answer again get the current weights, as long as the learner's parameters are the version
-    the generators serve (every process takes part in that publish)."""
+    answer again get the learner's current weights as their own `version` (every process takes
+    part in that publish), also between two publishes (sync_every > 1), when that version is
+    ahead of the one the others serve: no host copy of the published weights is kept for them,
+    and what they then sample is newer than the others' (within the staleness bound), each
+    token tagged with its true version."""
     while True:
         event = None
         if producer is not None:  # the driver
             try:
                 event = ("batch", producer.next(timeout=REJOIN_POLL_SECONDS))
             except TimeoutError:
-                current = pool.published_version == version
-                event = ("rejoin", None) if current and pool.needs_weights() else ("wait", None)
+                event = ("rejoin", None) if pool.needs_weights() else ("wait", None)
         kind, rollout = broadcast(event)
         if kind == "batch":
             return rollout
@@ -166,25 +197,34 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
         )
     serving, same_start = broadcast((serving, same_start))
     start_step, base_version, version = 0, serving, serving
+    # The version the generators serve for this run (last published): below `version` between
+    # two publishes when sync_every > 1.
+    published = version
+    rollback = False  # whether the next publish may go to replicas serving a newer version
     pending: list[Rollout] = []
     resumed_start: dict[str, float] = {}  # evaluations before training, kept in checkpoints
     if cfg.resume and checkpointer.latest_step() is not None:
         learner.state, meta = checkpointer.restore(None, learner.state)
         start_step, base_version = meta["step"], meta["base_version"]
         version = meta["policy_version"]
+        published = meta.get("published_version", version)
         pending = [Rollout.from_json(r) for r in meta["pending_rollouts"]]
         resumed_start = dict(meta.get("evaluated_at_start", {}))
         log(f"resumed from step {start_step} (policy version {version})")
         # The generator may have kept serving weights published after the checkpoint: roll it
-        # back to the checkpoint's weights under the checkpoint's version.
-        publish(learner, pool, version, sync_dtype, rollback=True)
+        # back to the checkpoint's weights under the checkpoint's version. Between two
+        # publishes (sync_every > 1) the checkpoint lacks the served weights: every batch that
+        # runs on them is in `pending`, and the next due publish rolls the generator back.
+        rollback = published != version
+        if not rollback:
+            publish(learner, pool, version, sync_dtype, rollback=True)
     else:
         if cfg.resume:
             log("resume requested but no checkpoint found: starting fresh")
         if not same_start:
             # The generator serves other weights (an earlier run's, or another model folder):
             # publish this run's initial ones.
-            base_version = version = serving + 1
+            base_version = version = published = serving + 1
             publish(learner, pool, version, sync_dtype)
     writer = (
         MetricsWriter(out, cfg.total_steps, start_step, resume=start_step > 0) if driver else None
@@ -196,14 +236,21 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
     if cfg.eval.test and task.test_prompts:
         splits["test"] = task.test_prompts
 
-    def evaluate(split: str) -> np.ndarray:
-        return evaluate_greedy(pool, task, splits[split], eval_tokens, learner)
+    def evaluate(split: str, cache: EvaluationCache | None = None) -> np.ndarray:
+        # Not a step: left out of the progress bar's rate and ETA.
+        with writer.paused() if writer is not None else contextlib.nullcontext():
+            return evaluate_greedy(pool, task, splits[split], eval_tokens, learner, cache)
 
     at_start = resumed_start
     if cfg.eval.at_start and start_step == 0:
+        # The generators serve the model folder's own weights: its responses may be cached.
+        cache = start_evaluation_cache(pool, model_path) if driver and same_start else None
         for split in splits:
-            at_start[split] = float(np.mean(evaluate(split)))
+            at_start[split] = float(np.mean(evaluate(split, cache)))
             log(f"{_SPLIT_NAMES[split]} greedy {name} before training: {at_start[split]:.3f}")
+        if cache is not None and cache.hits:
+            log(f"(responses of the unchanged model to the unchanged prompts read from "
+                f"{cache.root}: delete it to generate them again)")  # fmt: skip
     producer = None
     if driver:
         producer = RolloutProducer(
@@ -212,7 +259,7 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
         _sampling(cfg),
         max_staleness=cfg.max_staleness,
         start_batch=start_step,
-        published_version=version,
+        published_version=published,
         end_batch=cfg.total_steps,
         base_version=base_version,
         generation_seed=cfg.seed if cfg.rollout.seeded else None,
@@ -223,10 +270,11 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
     fleet = FleetWatch(pool) if pool is not None else None
     try:
         for step in range(start_step, cfg.total_steps):
-            record = train_one_step(
-                learner, producer, pool, task, cfg, version, base_version, sync_dtype, fleet
-            )
+            record = train_one_step(learner, producer, pool, task, cfg, version, base_version,
+                                    sync_dtype, fleet, rollback=rollback)  # fmt: skip
             version = record["policy_version"]
+            if publish_due(version - base_version, cfg):
+                published, rollback = version, False
             last = step + 1 == cfg.total_steps
             for split, every in (("eval", cfg.eval.every), ("test", cfg.eval.test_every)):
                 # (the end of the run is evaluated below)
@@ -241,6 +289,7 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
                 meta = {
                     "step": step + 1,
                     "policy_version": version,
+                    "published_version": published,
                     "base_version": base_version,
                     "seed": cfg.seed,
                     "evaluated_at_start": at_start,
@@ -348,6 +397,17 @@ def staleness_metrics(rollout: Rollout, learner_version: int) -> dict[str, float
     }
 
 
+def publish_due(updates: int, cfg) -> bool:
+    """Whether the run publishes after its `updates`-th update: every `sync_every`, and last."""
+    return updates % cfg.sync_every == 0 or updates == cfg.total_steps
+
+
+def samples_returned(rollout: Rollout) -> list[list]:
+    """[prompt id, sample index] of each sample, in the order the generators returned them:
+    what came back, to check against the schedule (`prompt_ids`) for a lost or doubled sample."""
+    return [[rollout.prompts[s.prompt_index].id, s.sample_index] for s in rollout.samples]
+
+
 def train_one_step(
     learner: Learner,
     producer,
@@ -358,20 +418,22 @@ def train_one_step(
     base_version,
     sync_dtype,
     fleet: FleetWatch | None = None,
+    rollback: bool = False,
 ) -> dict[str, Any]:
-    """One update of the loop: wait for the next batch, learn from it, publish when due."""
+    """One update of the loop: wait for the next batch, learn from it, publish when due (with
+    `rollback`, to replicas that may serve a newer version: the first publish after resuming
+    between two publishes)."""
     t0 = time.perf_counter()
     rollout = receive_batch(learner, producer, pool, version, sync_dtype)
     wait_s = time.perf_counter() - t0
     learned = learner.learn(rollout, task)
     version += 1
     sync_s = 0.0
-    updates = version - base_version
-    if updates % cfg.sync_every == 0 or updates == cfg.total_steps:
+    if publish_due(version - base_version, cfg):
         if producer is not None:
             producer.wait_admitted()
         published = time.perf_counter()
-        stats = publish(learner, pool, version, sync_dtype)
+        stats = publish(learner, pool, version, sync_dtype, rollback=rollback)
         if producer is not None:
             producer.publish(version)
         sync_s = stats.seconds if stats is not None else time.perf_counter() - published
@@ -382,6 +444,7 @@ def train_one_step(
         "prompts": len(rollout.prompts),
         "samples": len(rollout.samples),
         "prompt_ids": [p.id for p in rollout.prompts],  # the batch's, in the schedule's order
+        "samples_returned": samples_returned(rollout),
         **(fleet.step() if fleet is not None else {}),
         **staleness,
         "generation_tokens_per_s": rollout.num_tokens / max(rollout.generate_seconds, 1e-9),

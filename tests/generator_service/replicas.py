@@ -7,6 +7,8 @@ A second vLLM engine would cost the suite another engine start and both cores, s
   tensors instead of loading them into vLLM.
 - `DyingReplica` is a separate process that accepts an UpdateWeights stream and SIGKILLs itself
   after a few chunks: a replica that dies mid-stream, connection and all.
+- `FakeGenerator` answers Generate and GetStatus without a model, in this process: replicas of
+  a chosen version, and replicas that die after sending part of a call's completions.
 """
 
 from __future__ import annotations
@@ -19,26 +21,44 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 
+from generator_service.weights import WeightUpdateError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class RecordingEngine:
-    """What `GeneratorServicer.UpdateWeights` needs of an engine; swaps record the staged bytes."""
+    """What `GeneratorServicer.UpdateWeights` and `GetStatus` need of an engine; swaps record
+    the staged bytes. `fail_swaps` > 0: that many next swaps fail half-way as the engine's do
+    (INTERNAL, and NOT_SERVING until a complete update succeeds)."""
 
     def __init__(self, specs) -> None:
         self.weight_specs = specs
         self.weight_specs_error = ""
         self.policy_version = 0
         self.serving = True
+        self.fail_swaps = 0
         self.staging_dir = tempfile.gettempdir()
         self.swaps: list[tuple[int, dict[str, tuple[str, bytes]]]] = []
+        # GetStatus's fields (a drain-mode replica that generates nothing):
+        self.config = types.SimpleNamespace(model="recording", swap_mode="drain", in_flight_kv="")
+        self.in_flight = self.swap_pending = False
+        self.max_model_len, self.vocab_size, self.dtype, self.vllm_version = 0, 0, "", ""
+        self.num_requests_running = self.num_calls_waiting = self.num_updates = 0
+        self.last_update_unix_time = 0.0
+        self.occupancy = types.SimpleNamespace(totals=lambda: (0.0, 0.0))
 
     async def swap_weights(self, staging_path, tensors, policy_version, allow_rollback=False):
+        if self.fail_swaps > 0:
+            self.fail_swaps -= 1
+            self.serving = False
+            raise WeightUpdateError(grpc.StatusCode.INTERNAL, "the swap failed half-way")
+        self.serving = True
         with open(staging_path, "rb") as file:
             data = file.read()
         received = {
@@ -107,6 +127,82 @@ class DyingReplica:
         if self.process.poll() is None:
             self.process.kill()
         return self.process.wait(timeout=30)
+
+
+class FakeGenerator:
+    """Generate and GetStatus without a model, served from this process (pool tests).
+
+    Sample k of a prompt is the prompt's tokens + [k], its log-probs all `tag` (which replica
+    answered) and its version `version`. Completions go out sample-major (sample 0 of every
+    prompt, then sample 1, ...), so that a replica dying part-way leaves prompts with only some
+    of their samples sent. `die_after=m`: after its m-th completion (over all calls) the replica
+    is dead: the call ends UNAVAILABLE, as does every later call, GetStatus included.
+    """
+
+    def __init__(self, version: int = 0, tag: float = 0.0, die_after: int | None = None) -> None:
+        from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2
+
+        self.version, self.tag, self.die_after = version, tag, die_after
+        self.dead = False
+        self.calls: list[list[str]] = []  # the prompt ids of each Generate call
+        self._sent = 0
+        pb = generator_pb2
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self._generate,
+                request_deserializer=pb.GenerateRequest.FromString,
+                response_serializer=pb.Completion.SerializeToString,
+            ),
+            "GetStatus": grpc.unary_unary_rpc_method_handler(
+                self._status,
+                request_deserializer=pb.GetStatusRequest.FromString,
+                response_serializer=pb.GeneratorStatus.SerializeToString,
+            ),
+        }
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
+        )
+        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def _alive(self, context) -> None:
+        if self.dead:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this replica is dead")
+
+    def _status(self, request, context):
+        from jaxrlhf_wire.stubs import generator_pb2
+
+        self._alive(context)
+        return generator_pb2.GeneratorStatus(policy_version=self.version, serving=True)
+
+    def _generate(self, request, context):
+        from jaxrlhf_wire import ADMITTED_VERSION_HEADER
+        from jaxrlhf_wire.stubs import generator_pb2
+
+        self._alive(context)
+        self.calls.append([prompt.id for prompt in request.prompts])
+        context.send_initial_metadata(((ADMITTED_VERSION_HEADER, str(self.version)),))
+        for k in range(request.sampling.n or 1):
+            for index, prompt in enumerate(request.prompts):
+                if self.die_after is not None and self._sent >= self.die_after:
+                    self.dead = True
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "the replica died mid-call")
+                self._sent += 1
+                tokens = [*prompt.token_ids, k]
+                yield generator_pb2.Completion(
+                    prompt_id=prompt.id,
+                    prompt_index=index,
+                    sample_index=k,
+                    token_ids=tokens,
+                    logprobs=[self.tag] * len(tokens),
+                    finish_reason="length",
+                    policy_version=self.version,
+                    token_policy_versions=[self.version] * len(tokens),
+                )
+
+    def stop(self) -> None:
+        self._server.stop(0).wait()
 
 
 def _serve_until_chunk(after: int) -> None:
