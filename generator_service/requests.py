@@ -37,6 +37,14 @@ class Sampling:
     seed: int | None = None  # set: reproducible call (see GenerateRequest.seed)
 
 
+# vLLM refuses higher temperatures when a request is built (SamplingParams._verify_args).
+MAX_TEMPERATURE = 2.0
+# Engine requests (prompts x n) one call may make: far above any learner's batch, and low enough
+# that a call is submitted, or refused, at once (n is a uint32: 2**32 - 1 samples would keep
+# the server submitting requests for hours).
+MAX_SAMPLES_PER_CALL = 1 << 16
+
+
 def _invalid(message: str) -> GenerateError:
     return GenerateError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
@@ -48,6 +56,11 @@ def _check_sampling(sampling: Sampling, vocab_size: int) -> None:
         raise _invalid(f"sampling.max_tokens must be >= 1, got {sampling.max_tokens}")
     if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
         raise _invalid(f"sampling.temperature must be >= 0, got {sampling.temperature}")
+    if sampling.temperature > MAX_TEMPERATURE:
+        raise _invalid(
+            f"sampling.temperature must be <= {MAX_TEMPERATURE} (the engine's limit), got "
+            f"{sampling.temperature}"
+        )
     if not (0 < sampling.top_p <= 1):
         raise _invalid(f"sampling.top_p must be in (0, 1], got {sampling.top_p}")
     if sampling.top_k < -1:
@@ -71,6 +84,11 @@ def validate_request(
     if not prompts:
         raise _invalid("the request has no prompts")
     _check_sampling(sampling, vocab_size)
+    if len(prompts) * sampling.n > MAX_SAMPLES_PER_CALL:
+        raise _invalid(
+            f"{len(prompts)} prompts x n={sampling.n} is {len(prompts) * sampling.n} samples, "
+            f"over the {MAX_SAMPLES_PER_CALL} one call may ask for; split the call"
+        )
     for index, (prompt_id, token_ids) in enumerate(prompts):
         name = f"prompt {index} (id {prompt_id!r})"
         if not token_ids:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -34,6 +35,7 @@ from generator_service.weights import (
     check_shared_layout,
     minimum_update_bytes,
     shared_file_path,
+    shared_file_size,
 )
 from jaxrlhf_wire import ADMITTED_VERSION_HEADER, READY_LINE
 from jaxrlhf_wire.chunks import CHANNEL_OPTIONS, MalformedChunkError, decode_weight_chunk
@@ -187,7 +189,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     self._engine.policy_version,
                     request.policy_version,
                     [(t.name, t.dtype, tuple(t.shape), t.position) for t in request.tensors],
-                    os.path.getsize(path),
+                    shared_file_size(path),
                     request.allow_rollback,
                 )
                 failpoints.hit("update_weights")  # (chaos tests only)
@@ -259,13 +261,63 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             await self._health.set(service, status)
 
 
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """Request bytes that are not the method's message (see `_lenient`)."""
+
+    message_type: str
+    error: str
+
+
+def _lenient(message_class):
+    """A deserializer that hands undecodable bytes to the handler as an UndecodableRequest:
+    raising, it would make gRPC answer UNKNOWN ("Unexpected DecodeError"), not the client's
+    error."""
+
+    def deserialize(raw: bytes):
+        try:
+            return message_class.FromString(raw)
+        except DecodeError as error:
+            return UndecodableRequest(message_class.DESCRIPTOR.full_name, str(error))
+
+    return deserialize
+
+
+async def _refuse_undecodable(request, context) -> None:
+    if isinstance(request, UndecodableRequest):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid {request.message_type}: {request.error}",
+        )
+
+
+def _checked_unary(behavior):
+    """`behavior` behind the INVALID_ARGUMENT answer to undecodable requests."""
+
+    async def handle(request, context):
+        await _refuse_undecodable(request, context)
+        return await behavior(request, context)
+
+    return handle
+
+
+def _checked_unary_stream(behavior):
+    async def handle(request, context):
+        await _refuse_undecodable(request, context)
+        async for response in behavior(request, context):
+            yield response
+
+    return handle
+
+
 def add_generator_service(servicer: GeneratorServicer, server: grpc.aio.Server) -> None:
     """Registers the Generator service, as the generated `add_GeneratorServicer_to_server` does,
-    but with UpdateWeights' requests decoded by `decode_weight_chunk`."""
+    but with UpdateWeights' requests decoded by `decode_weight_chunk` and every undecodable
+    request answered INVALID_ARGUMENT."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate,
-            request_deserializer=generator_pb2.GenerateRequest.FromString,
+            _checked_unary_stream(servicer.Generate),
+            request_deserializer=_lenient(generator_pb2.GenerateRequest),
             response_serializer=generator_pb2.Completion.SerializeToString,
         ),
         "UpdateWeights": grpc.stream_unary_rpc_method_handler(
@@ -274,13 +326,13 @@ def add_generator_service(servicer: GeneratorServicer, server: grpc.aio.Server) 
             response_serializer=generator_pb2.UpdateWeightsResponse.SerializeToString,
         ),
         "UpdateWeightsShared": grpc.unary_unary_rpc_method_handler(
-            servicer.UpdateWeightsShared,
-            request_deserializer=generator_pb2.SharedWeights.FromString,
+            _checked_unary(servicer.UpdateWeightsShared),
+            request_deserializer=_lenient(generator_pb2.SharedWeights),
             response_serializer=generator_pb2.UpdateWeightsResponse.SerializeToString,
         ),
         "GetStatus": grpc.unary_unary_rpc_method_handler(
-            servicer.GetStatus,
-            request_deserializer=generator_pb2.GetStatusRequest.FromString,
+            _checked_unary(servicer.GetStatus),
+            request_deserializer=_lenient(generator_pb2.GetStatusRequest),
             response_serializer=generator_pb2.GeneratorStatus.SerializeToString,
         ),
     }

@@ -37,6 +37,8 @@ from jaxrlhf_wire.files import ALIGNMENT, aligned, remove_stale_files
 
 # Every tensor's region starts on a page boundary: aligned views when the engine maps the file.
 STAGING_ALIGNMENT = ALIGNMENT  # the learner's shared files use the same
+# Completion.token_policy_versions are int64: no version above this could be reported.
+MAX_POLICY_VERSION = 2**63 - 1
 # Buffers some checkpoints carry that are recomputed by the engine, never trained.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -260,7 +262,13 @@ def check_update_header(
     num_tensors: int,
     allow_rollback: bool,
 ) -> None:
-    """A newer version (unless rolling back) and every one of the served model's tensors."""
+    """A newer version (unless rolling back) that completions can carry, and every one of the
+    served model's tensors."""
+    if policy_version > MAX_POLICY_VERSION:
+        raise _invalid(
+            f"policy_version {policy_version} is over 2**63 - 1, the largest version a "
+            "Completion can carry (token_policy_versions are int64)"
+        )
     if policy_version <= current_version and not allow_rollback:
         raise WeightUpdateError(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -297,6 +305,11 @@ def shared_file_path(path: str, directory: str) -> str:
     """`path` resolved, if it names a regular file directly inside `directory` (the folder the
     server maps shared updates from); FAILED_PRECONDITION otherwise. Symbolic links are
     resolved first, so a link cannot point the engine at a file elsewhere."""
+    if "\x00" in path:
+        raise WeightUpdateError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"shared weight file {path!r} has a NUL byte in its path",
+        )
     resolved = os.path.realpath(path)
     if os.path.dirname(resolved) != os.path.realpath(directory):
         raise WeightUpdateError(
@@ -315,6 +328,16 @@ def shared_file_path(path: str, directory: str) -> str:
             f"the server cannot open shared weight file {path} for reading and writing",
         )
     return resolved
+
+
+def shared_file_size(path: str) -> int:
+    """The size of a shared weight file; FAILED_PRECONDITION if it went away meanwhile."""
+    try:
+        return os.path.getsize(path)
+    except OSError as error:
+        raise WeightUpdateError(
+            grpc.StatusCode.FAILED_PRECONDITION, f"cannot read shared weight file {path}: {error}"
+        ) from error
 
 
 def check_shared_layout(
