@@ -151,7 +151,6 @@ class GeneratorPool:
         self.no_replica_timeout = no_replica_timeout
         self.log = log or logger.warning
         self.counters: collections.Counter[str] = collections.Counter()
-        self.published_version: int | None = None  # the version the last publish delivered
         self._transport: WeightTransport | None = None
         self._cond = threading.Condition()
         self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=4 * len(targets) + 4)
@@ -218,8 +217,6 @@ class GeneratorPool:
             status = replica.client.wait_until_serving(timeout)
             replica.version = status.policy_version
             statuses.append(status)
-        if self.published_version is None:  # what a replica that rejoins now must get
-            self.published_version = max(status.policy_version for status in statuses)
         return statuses
 
     # --- Generate ----------------------------------------------------------------------------
@@ -415,8 +412,6 @@ class GeneratorPool:
                 self._fail(replica, failures[replica.target])
         if targets and not swapped and not rejoining_only:
             self._none_took(policy_version, len(targets), failures)
-        if not rejoining_only:
-            self.published_version = policy_version
         return PublishStats(
             policy_version=policy_version,
             num_tensors=num_tensors,

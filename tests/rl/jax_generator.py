@@ -64,7 +64,6 @@ class JaxGenerator:
         self.eos_id, self.pad_id = eos_id, pad_id
         self.version = 0
         self.published: dict[int, dict[str, np.ndarray]] = {}  # version -> HF tensors
-        self.published_version: int | None = None
         self.calls = 0
 
     def needs_weights(self) -> bool:
@@ -96,7 +95,7 @@ class JaxGenerator:
         if len(tensors) != num_tensors:
             raise ValueError(f"{len(tensors)} tensors published, {num_tensors} announced")
         self.params = params_from_hf(self.model, tensors)
-        self.version = self.published_version = policy_version
+        self.version = policy_version
         self.published[policy_version] = tensors
         size = sum(t.nbytes for t in tensors.values())
         return PublishStats(policy_version, num_tensors, size, time.perf_counter() - started, 1)
