@@ -15,9 +15,12 @@ and one weight update fails half-way. Exits 1 if any check fails.
    hung (SIGSTOP for `--hang` s, then SIGCONT; or left hung until it is killed and replaced),
    restarted (SIGTERM, replacement), or its next weight swap fails half-way (failpoint
    `reload_weights 1 fail`, once); the learner is SIGKILLed and resumed
-   (`--config.resume=true`) twice, the first time before any replica fault. Every kind
-   happens at least once; one replica (drawn from the seed) is never killed or restarted, so
-   that one server process lives through the whole soak for the resource trend.
+   (`--config.resume=true`) twice, the first time before any replica fault, the second time
+   closing the first cycle of faults. Every kind happens at least once; one replica (drawn
+   from the seed) is never killed or restarted, so that one server process lives through the
+   whole soak for the resource trend. With `--minutes 0` (one cycle: the smoke test) the
+   second resume also ends the run `--tail-steps` steps after the kill, instead of at the
+   length sized for the slowest recoveries.
    A replica fault has recovered when the replica serves again and took a weight update
    published after the fault; the learner, when its resumed run logs a step beyond the kill.
 4. At the end (`bench/soak_checks.py` says what each check compares, and why):
@@ -82,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--recovery-timeout", type=float, default=300.0)
     parser.add_argument("--reference-steps", type=int, default=30)
     parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--tail-steps", type=int, default=3,
+                        help="--minutes 0: steps after the second learner kill")  # fmt: skip
     parser.add_argument(
         "--mini-batches",
         type=int,
@@ -172,6 +177,8 @@ class Soak:
         self.events: list[dict] = []
         self.first_replica_fault_step: int | None = None
         self.first_resume_step = 0
+        # With --minutes 0 the run ends `--tail-steps` after the last fault (`kill_learner`).
+        self.end_early = args.minutes <= 0
 
     def learner_alive(self) -> bool:
         return self.run.poll() is None
@@ -206,27 +213,32 @@ class Soak:
             if wait_until(near_end, delay, self.learner_alive) or not self.learner_alive():
                 return
             if action == LEARNER_KILL:
-                self.kill_learner()
+                self.kill_learner(end=self.end_early and count == cycle)
             else:
                 self.replica_fault(action)
 
     def plan(self) -> Iterator[str]:
-        """Every replica fault kind and the second learner kill in a shuffled first cycle,
-        then random replica faults (the failing update only once)."""
-        first = [*REPLICA_FAULTS, LEARNER_KILL]
+        """A first cycle of every replica fault kind, shuffled, closed by the second learner
+        kill, then random replica faults (the failing update only once)."""
+        first = list(REPLICA_FAULTS)
         self.rng.shuffle(first)
         yield from first
+        yield LEARNER_KILL
         while True:
             yield self.rng.choice([k for k in REPLICA_FAULTS if k != "fail-update"])
 
-    def kill_learner(self) -> int:
-        """SIGKILLs the learner and resumes it; returns the step it resumed from (its
-        checkpoint's): the steps after it are trained again by the resumed process."""
+    def kill_learner(self, end: bool = False) -> int:
+        """SIGKILLs the learner and resumes it (with `end`, for `--tail-steps` more steps:
+        the run's new length); returns the step it resumed from (its checkpoint's): the steps
+        after it are trained again by the resumed process."""
         step = self.run.last_step()
         say(f"fault: learner killed after step {step}")
         t0 = time.monotonic()
         self.run.kill()
-        process = self.run.start(resume=True)
+        if end and step + self.args.tail_steps < self.steps:
+            self.steps = step + self.args.tail_steps
+            say(f"the resumed run ends at step {self.steps}")
+        process = self.run.start(resume=True, steps=self.steps)
         self.sampler.track("learner", process.pid)
         recovered = wait_until(lambda: self.run.last_step() > step, self.args.recovery_timeout,
                                self.learner_alive)  # fmt: skip
@@ -383,14 +395,14 @@ def soak_steps(args, reference: list[dict], costs: Costs) -> tuple[int, float]:
 
 
 def final_checks(
-    args, soak: Soak, run: LearnerRun, reference: list[dict], steps: int, schedule,
-    sampler: Sampler, final_versions: dict, left,
+    args, soak: Soak, run: LearnerRun, reference: list[dict], schedule, sampler: Sampler,
+    final_versions: dict, left,
 ) -> list[checks.Check]:  # fmt: skip
     records = run.records()
     bound = args.mini_batches - 1 if args.mini_batches else 1
     k = 2  # configs/tiny.py's samples per prompt
     out = [
-        checks.steps_complete(records, steps, run.poll()),
+        checks.steps_complete(records, soak.steps, run.poll()),
         checks.exactly_once(records, schedule, k),
         checks.versions_within_bound(records, bound),
     ]
@@ -538,9 +550,9 @@ def main(argv: list[str] | None = None) -> int:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    results = final_checks(args, soak, run, reference, steps, schedule, sampler,
-                           final_versions, left)  # fmt: skip
-    summary = report(args, soak, results, sampler, steps, step_s, wall_s)
+    results = final_checks(args, soak, run, reference, schedule, sampler, final_versions,
+                           left)  # fmt: skip
+    summary = report(args, soak, results, sampler, soak.steps, step_s, wall_s)
     (out / "soak.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
     if not summary["ok"]:

@@ -104,7 +104,11 @@ class LearnerRun:
         self.process: subprocess.Popen | None = None
         self.logs: list[Path] = []
 
-    def start(self, resume: bool = False) -> subprocess.Popen:
+    def start(self, resume: bool = False, steps: int | None = None) -> subprocess.Popen:
+        """Starts (or, with `resume`, resumes) the run; `steps`: its total_steps from now on."""
+        if steps is not None:
+            self.args = [a for a in self.args if not a.startswith("--config.total_steps=")]
+            self.args.append(f"--config.total_steps={steps}")
         self.output_dir.mkdir(parents=True, exist_ok=True)
         log = self.output_dir / f"learner-{len(self.logs)}.log"
         self.logs.append(log)

@@ -4,8 +4,10 @@ every fault kind, whose checks must all pass."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -180,6 +182,23 @@ def test_learner_command_names_the_config_file_first(tmp_path, monkeypatch):
     flags = [a for a in started[0] if a.startswith("--config")]
     assert flags[0] == "--config=configs/tiny.py"
     assert f"--config.output_dir={tmp_path}" in flags and "--config.resume=true" in flags
+    assert "--config.total_steps=3" in flags
+    # A resume that ends the run sooner (the smoke's last fault) gives its new length, once.
+    run = soak_fleet.LearnerRun(tmp_path, args, "marker")
+    run.start(resume=True, steps=7)
+    steps = [a for a in started[1] if a.startswith("--config.total_steps=")]
+    assert steps == ["--config.total_steps=7"]
+
+
+def test_the_second_learner_kill_closes_the_first_cycle():
+    args, _ = soak.parse_args(["--minutes", "0"])
+    for seed in range(5):
+        first = list(itertools.islice(
+            soak.Soak(args, None, ["A", "B"], None, random.Random(seed), 10, 1.0).plan(),
+            len(soak.REPLICA_FAULTS) + 1,
+        ))  # fmt: skip
+        assert sorted(first[:-1]) == sorted(soak.REPLICA_FAULTS)
+        assert first[-1] == soak.LEARNER_KILL
 
 
 def test_sampler_reads_proc_and_stops_at_exit():

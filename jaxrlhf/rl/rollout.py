@@ -187,7 +187,7 @@ class RolloutProducer:
                 return self._ready.popleft()
             raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
 
-    def snapshot(self, version: int) -> list[Rollout]:
+    def snapshot(self, version: int, timeout: float | None = None) -> list[Rollout]:
         """The generated batches not trained on yet, for a checkpoint at learner `version`.
 
         Waits until every batch that runs on weights older than `version` and can run now is
@@ -197,6 +197,7 @@ class RolloutProducer:
         for; those needing more wait for the next publish, of weights the resumed run trains
         again exactly, so they are regenerated exactly (from the checkpoint's weights and
         seeds) and never waited for here (they could not start before the next publish).
+        Raises TimeoutError after `timeout` seconds without those batches.
         """
         with self._cond:
             # The newest version whose batches the checkpoint must hold.
@@ -206,7 +207,8 @@ class RolloutProducer:
                 done = self._next_batch
                 return self._failed or done >= self._end_batch or self.required_version(done) > held
 
-            self._cond.wait_for(complete)
+            if not self._cond.wait_for(complete, timeout):
+                raise TimeoutError(f"the batches of a checkpoint not generated within {timeout}s")
             if self._failed:
                 raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
             return list(self._ready)

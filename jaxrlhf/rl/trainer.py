@@ -14,6 +14,7 @@ only waits on gRPC. Checkpoints hold everything needed to continue exactly (see 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -92,21 +93,31 @@ def evaluate_greedy(
     max_tokens: int,
     learner: Learner,
     cache: EvaluationCache | None = None,
+    wait=None,
 ) -> np.ndarray:
     """Per-prompt scores (correctness for verifiable tasks, else reward-model reward) of greedy
     responses to `prompts` with the weights the generator serves now (the driver generates, or
     reads them from `cache`, which must describe those weights; every process scores: a reward
-    model runs on the whole mesh)."""
-    responses = None
-    if is_driver():
+    model runs on the whole mesh). `wait(generate)`: how every process waits for the driver's
+    `generate()` (None elsewhere) and gets its result; by default a plain call (the loop's,
+    `in_background`, rejoins replicas meanwhile)."""
+
+    def generate():
         ids, sampling = [p.token_ids for p in prompts], greedy_sampling(max_tokens)
         responses = cache.load(ids, sampling) if cache is not None else None
         if responses is None:
             responses = greedy_responses(pool, prompts, max_tokens)
             if cache is not None:
                 cache.store(ids, sampling, responses, note=f"{task.name}: {len(ids)} prompts")
-    responses = broadcast(responses)
+        return responses
+
+    responses = (wait or call_on_driver)(generate if is_driver() else None)
     return learner.score(task, prompts, responses)
+
+
+def call_on_driver(fn):
+    """fn() on the driver (None elsewhere), its result broadcast to every process."""
+    return broadcast(fn() if fn is not None else None)
 
 
 def start_evaluation_cache(pool: GeneratorPool, model_path: Path) -> EvaluationCache:
@@ -149,22 +160,49 @@ REJOIN_POLL_SECONDS = 1.0
 
 
 def receive_batch(learner, producer, pool, version: int, sync_dtype) -> Rollout:
-    """The next batch (the driver's, on every process). While it is not there, replicas that
+    """The next batch (the driver's, on every process), rejoining replicas while it is not
+    there (`wait_rejoining`)."""
+    poll = None if producer is None else lambda timeout: producer.next(timeout=timeout)
+    return wait_rejoining(poll, learner, pool, version, sync_dtype)
+
+
+def pending_rollouts(learner, producer, pool, version: int, sync_dtype) -> list[Rollout]:
+    """The batches a checkpoint at learner `version` holds (`RolloutProducer.snapshot`; the
+    driver's, on every process), rejoining replicas while they are being generated: a batch
+    that waits for a live replica completes only once one has the weights again."""
+    poll = None if producer is None else lambda timeout: producer.snapshot(version, timeout)
+    return wait_rejoining(poll, learner, pool, version, sync_dtype)
+
+
+def in_background(fn, learner, pool, version: int, sync_dtype):
+    """fn() run by the driver (None elsewhere) in a thread, its result on every process,
+    rejoining replicas meanwhile (`wait_rejoining`): an evaluation waits for generation too."""
+    if fn is None:
+        return wait_rejoining(None, learner, pool, version, sync_dtype)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evaluation") as thread:
+        future = thread.submit(fn)
+        return wait_rejoining(future.result, learner, pool, version, sync_dtype)
+
+
+def wait_rejoining(poll, learner, pool, version: int, sync_dtype):
+    """`poll(timeout)`'s result (the driver's poll; None on the other processes), broadcast to
+    every process; `poll` raises TimeoutError while there is none. Until then, replicas that
     answer again get the learner's current weights as their own `version` (every process takes
     part in that publish), also between two publishes (sync_every > 1), when that version is
     ahead of the one the others serve: no host copy of the published weights is kept for them,
     and what they then sample is newer than the others' (within the staleness bound), each
-    token tagged with its true version."""
+    token tagged with its true version. Only the learner publishes, so whatever it waits for
+    that needs generation (a batch, a checkpoint's batches, an evaluation) must rejoin too."""
     while True:
         event = None
-        if producer is not None:  # the driver
+        if poll is not None:  # the driver
             try:
-                event = ("batch", producer.next(timeout=REJOIN_POLL_SECONDS))
+                event = ("done", poll(REJOIN_POLL_SECONDS))
             except TimeoutError:
                 event = ("rejoin", None) if pool.needs_weights() else ("wait", None)
-        kind, rollout = broadcast(event)
-        if kind == "batch":
-            return rollout
+        kind, result = broadcast(event)
+        if kind == "done":
+            return result
         if kind == "rejoin":
             publish(learner, pool, version, sync_dtype, rejoining_only=True)
 
@@ -237,9 +275,12 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
         splits["test"] = task.test_prompts
 
     def evaluate(split: str, cache: EvaluationCache | None = None) -> np.ndarray:
+        def wait(generate):  # with the learner's weights of now, should a replica rejoin
+            return in_background(generate, learner, pool, version, sync_dtype)
+
         # Not a step: left out of the progress bar's rate and ETA.
         with writer.paused() if writer is not None else contextlib.nullcontext():
-            return evaluate_greedy(pool, task, splits[split], eval_tokens, learner, cache)
+            return evaluate_greedy(pool, task, splits[split], eval_tokens, learner, cache, wait)
 
     at_start = resumed_start
     if cfg.eval.at_start and start_step == 0:
@@ -286,6 +327,9 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
                 writer.write(step + 1, record)
             records.append({"step": step + 1, **record})
             if last or checkpointer.due(step + 1):
+                # Batches generated on older weights and not trained on yet (async mode).
+                held = [] if last else pending_rollouts(learner, producer, pool, version,
+                                                        sync_dtype)  # fmt: skip
                 meta = {
                     "step": step + 1,
                     "policy_version": version,
@@ -293,10 +337,7 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
                     "base_version": base_version,
                     "seed": cfg.seed,
                     "evaluated_at_start": at_start,
-                    # Batches generated on older weights and not trained on yet (async mode).
-                    "pending_rollouts": [] if last or not driver else [
-                        r.to_json() for r in producer.snapshot(version)
-                    ],
+                    "pending_rollouts": [r.to_json() for r in held],
                 }  # fmt: skip
                 checkpointer.save(step + 1, learner.state, meta, force=True)
     finally:

@@ -178,32 +178,44 @@ def test_a_replica_left_not_serving_by_a_failed_swap_rejoins_with_the_full_weigh
 
 
 class WaitingProducer:
-    """The rollout producer as `receive_batch` sees it: the batch comes once a replica is live
-    (as `generate` waits for one); gives up after `limit` seconds of polling."""
+    """The rollout producer as the loop sees it: a batch (`next`) or a checkpoint's batches
+    (`snapshot`) come once a replica is live (as `generate` waits for one); gives up after
+    `limit` seconds of polling."""
 
     def __init__(self, pool: GeneratorPool, limit: float = 10.0):
         self.pool, self.deadline = pool, time.monotonic() + limit
 
     def next(self, timeout: float):
-        until = time.monotonic() + timeout
+        return self.generated(timeout)
+
+    def snapshot(self, version: int, timeout: float):
+        return self.generated(timeout)
+
+    def generated(self, timeout: float | None = None):
+        until = time.monotonic() + (timeout if timeout is not None else 3600)
         while time.monotonic() < until:
             if self.pool.metrics()["generators_live"]:
-                return "the batch"
+                return "generated"
+            if time.monotonic() > self.deadline:
+                raise RuntimeError("no replica came back: generation cannot resume")
             time.sleep(0.05)
-        if time.monotonic() > self.deadline:
-            raise RuntimeError("no replica came back: generation cannot resume")
         raise TimeoutError
 
 
+@pytest.mark.parametrize("waiting_for", ["batch", "checkpoint", "evaluation"])
 def test_replicas_rejoin_between_two_publishes_with_the_learners_weights_and_version(
-    recording, tiny_llama
+    recording, tiny_llama, waiting_for
 ):
+    # Whatever the learner waits for that needs generation (the next batch, the batches a
+    # checkpoint holds, an evaluation's responses) rejoins replicas meanwhile: only the learner
+    # publishes, so waiting without rejoining was a deadlock (seen in the soak: a checkpoint
+    # while every replica was down).
     import jax
 
     from configs.tiny import get_config
     from jaxrlhf.models import iter_hf_tensors
     from jaxrlhf.rl.learner import Learner
-    from jaxrlhf.rl.trainer import publish, receive_batch
+    from jaxrlhf.rl.trainer import in_background, pending_rollouts, publish, receive_batch
     from jaxrlhf.sharding import make_mesh
 
     config = get_config()
@@ -219,7 +231,14 @@ def test_replicas_rejoin_between_two_publishes_with_the_learners_weights_and_ver
         # published (sync_every = 2). Its weights are no longer those of version 3.
         policy = jax.tree.map(lambda p: p * 1.5, learner.state.params["policy"])
         learner.state = learner.state.replace(params={**learner.state.params, "policy": policy})
-        assert receive_batch(learner, WaitingProducer(pool), pool, 4, dtype) == "the batch"
+        producer = WaitingProducer(pool)
+        if waiting_for == "batch":
+            got = receive_batch(learner, producer, pool, 4, dtype)
+        elif waiting_for == "checkpoint":
+            got = pending_rollouts(learner, producer, pool, 4, dtype)
+        else:
+            got = in_background(producer.generated, learner, pool, 4, dtype)
+        assert got == "generated"
     finally:
         pool.close()
     params = learner.state.params["policy"]
