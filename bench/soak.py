@@ -16,7 +16,8 @@ and one weight update fails half-way. Exits 1 if any check fails.
    restarted (SIGTERM, replacement), or its next weight swap fails half-way (failpoint
    `reload_weights 1 fail`, once); the learner is SIGKILLed and resumed
    (`--config.resume=true`) twice, the first time before any replica fault, the second time
-   closing the first cycle of faults. Every kind happens at least once; one replica (drawn
+   closing the first cycle of faults. Every kind of `--faults` (default: all) happens at least
+   once; one replica (drawn
    from the seed) is never killed or restarted, so that one server process lives through the
    whole soak for the resource trend. With `--minutes 0` (one cycle: the smoke test) the
    second resume also ends the run `--tail-steps` steps after the kill, instead of at the
@@ -85,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--recovery-timeout", type=float, default=300.0)
     parser.add_argument("--reference-steps", type=int, default=30)
     parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--faults", default=",".join(REPLICA_FAULTS),
+                        help="the replica fault kinds injected (default: every kind)")  # fmt: skip
     parser.add_argument("--tail-steps", type=int, default=3,
                         help="--minutes 0: steps after the second learner kill")  # fmt: skip
     parser.add_argument(
@@ -113,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     unknown = [a for a in extra if not a.startswith("--config.")]
     if unknown:
         parser.error(f"unknown arguments {unknown} (only --config.KEY=VALUE pass through)")
+    args.faults = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    if not args.faults or set(args.faults) - set(REPLICA_FAULTS):
+        parser.error(f"--faults {args.faults}: choose from {', '.join(REPLICA_FAULTS)}")
     args.fault_interval = _pair(parser, "--fault-interval", args.fault_interval)
     args.hang = _pair(parser, "--hang", args.hang)
     if args.reference_steps < args.checkpoint_every + 3:
@@ -199,7 +205,7 @@ class Soak:
                           poll=0.05):  # fmt: skip
             return
         self.first_resume_step = self.kill_learner()
-        cycle = len(REPLICA_FAULTS) + 1
+        cycle = len(self.args.faults) + 1
 
         def near_end() -> bool:
             left = (self.steps - self.run.last_step()) * step_s
@@ -218,14 +224,15 @@ class Soak:
                 self.replica_fault(action)
 
     def plan(self) -> Iterator[str]:
-        """A first cycle of every replica fault kind, shuffled, closed by the second learner
-        kill, then random replica faults (the failing update only once)."""
-        first = list(REPLICA_FAULTS)
+        """A first cycle of every replica fault kind of `--faults`, shuffled, closed by the
+        second learner kill, then random replica faults (the failing update only once)."""
+        first = list(self.args.faults)
         self.rng.shuffle(first)
         yield from first
         yield LEARNER_KILL
-        while True:
-            yield self.rng.choice([k for k in REPLICA_FAULTS if k != "fail-update"])
+        again = [k for k in self.args.faults if k != "fail-update"]
+        while again:
+            yield self.rng.choice(again)
 
     def kill_learner(self, end: bool = False) -> int:
         """SIGKILLs the learner and resumes it (with `end`, for `--tail-steps` more steps:
@@ -373,10 +380,13 @@ class Costs:
     learner_start_s: float  # the reference run's time outside its steps
 
     def cycle_s(self, args) -> float:
-        """One cycle of faults, each recovering before the next: three replacement servers
-        (kill, hang-replace, restart), two learner resumes, the hangs and the intervals."""
-        waits = (len(REPLICA_FAULTS) + 1) * args.fault_interval[1] + 2 * args.hang[1]
-        return 3 * self.replica_start_s + 2 * self.learner_start_s + waits
+        """One cycle of faults, each recovering before the next: a replacement server per
+        fault that ends one (kill, hang-replace, restart), two learner resumes, the hangs and
+        the intervals."""
+        hangs = sum(kind.startswith("hang") for kind in args.faults)
+        waits = (len(args.faults) + 1) * args.fault_interval[1] + hangs * args.hang[1]
+        starts = sum(kind in ENDING for kind in args.faults)
+        return starts * self.replica_start_s + 2 * self.learner_start_s + waits
 
     def margin_s(self) -> float:
         """No fault is injected with fewer seconds of steps left: the slower recovery, with
@@ -409,7 +419,7 @@ def final_checks(
     upto = checks.undisturbed_steps(records, soak.first_replica_fault_step)
     out.append(checks.equals_reference(records, reference, upto, soak.first_resume_step + 1))
     done = {e["kind"] for e in soak.events}
-    missing = [k for k in (*REPLICA_FAULTS, LEARNER_KILL) if k not in done]
+    missing = [k for k in (*args.faults, LEARNER_KILL) if k not in done]
     kills = sum(e["kind"] == LEARNER_KILL for e in soak.events)
     out.append(checks.Check("every fault kind happened", not missing and kills >= 2,
                             f"{len(soak.events)} faults, {kills} learner kills"
