@@ -461,10 +461,16 @@ class GeneratorEngine:
     ) -> float:
         """Loads a validated, complete update staged in `staging_path` as `policy_version`;
         returns the seconds the swap held generation back (in "drain" mode from when new calls
-        were held at the gate, through the drain and the load; in "in-flight" mode the load)."""
+        were held at the gate, through the drain and the load; in "in-flight" mode the load).
+
+        A caller cancelled (a client's cancel or deadline) before the swap begins leaves
+        everything as it was; once the swap has begun, the cancellation waits for it to end:
+        the swap completes, or fails and leaves the server NOT_SERVING. It never stops with the
+        scheduler paused, nor with new or partial weights serving under the old version."""
         started = time.monotonic()
         async with self._gate.write():
-            await self._reload(staging_path, tensors, policy_version, allow_rollback)
+            reload = self._reload(staging_path, tensors, policy_version, allow_rollback)
+            await finish_despite_cancellation(asyncio.ensure_future(reload))
         return time.monotonic() - started
 
     async def _reload(
@@ -480,9 +486,7 @@ class GeneratorEngine:
                 f"policy_version {policy_version} is not newer than the served version "
                 f"{self.policy_version}",
             )
-        hold = failpoints.hit("pause_for_swap")  # (chaos tests only)
-        if hold is not None:
-            await self._wait_for_tokens(hold)
+        await self._hold(failpoints.hit("pause_for_swap"))  # (chaos tests only)
         # "drain": the gate already drained our calls; "wait" also covers anything else in the
         # engine. "in-flight": running requests stay where they are, frozen.
         await self._llm.pause_generation(
@@ -494,7 +498,7 @@ class GeneratorEngine:
             await self._llm.collective_rpc(
                 "jaxrlhf_reload_weights", kwargs={"path": staging_path, "tensors": manifest}
             )
-            failpoints.hit("reload_weights")  # (chaos tests only)
+            await self._hold(failpoints.hit("reload_weights"))  # (chaos tests only)
             recompute = self.in_flight and self.config.in_flight_kv == "recompute"
             if recompute or self._llm.get_num_unfinished_requests() == 0:
                 # (With requests running and their KV kept, blocks are in use and the cache
@@ -521,6 +525,16 @@ class GeneratorEngine:
         self.num_updates += 1
         self.last_update_unix_time = time.time()
 
+    async def _hold(self, hold: str | None) -> None:
+        """Performs a failpoint's hold (`failpoints.HOLDS`): `tokens=N` or `sleep=S`."""
+        if hold is None:
+            return
+        kind, _, value = hold.partition("=")
+        if kind == "tokens":
+            await self._wait_for_tokens(int(value))
+        else:
+            await asyncio.sleep(float(value))
+
     async def _wait_for_tokens(self, count: int, timeout: float = 120.0) -> None:
         """Waits until every running request has generated `count` tokens (or `timeout`), so
         that the swap after it lands at a known place in them (the `pause_for_swap` failpoint).
@@ -542,6 +556,25 @@ class GeneratorEngine:
             llm.shutdown()
             del llm
             gc.collect()
+
+
+async def finish_despite_cancellation(task: asyncio.Future):
+    """`task`'s result, awaited to its end even if the awaiting task is cancelled meanwhile;
+    that cancellation is raised once `task` is done (its own error, if any, is then left to
+    its own handling: the swap logs it and reports NOT_SERVING)."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = cancelled or not task.done()
+        except Exception:  # noqa: BLE001 - the task's own failure, raised by result() below
+            pass
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: not reported again as "never retrieved"
+        raise asyncio.CancelledError
+    return task.result()
 
 
 def _first_error(error: BaseException) -> BaseException:

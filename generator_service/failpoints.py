@@ -10,7 +10,9 @@ Off unless `$JAXRLHF_FAILPOINTS` names a file. Each line of that file arms one p
 - `reload_weights 1 fail`: make its next swap fail (raise) after the engine loaded the new
   weights and before it relabels them: a swap that dies half-way;
 - `pause_for_swap 1 tokens=50`: hold its next swap, before it pauses the engine, until every
-  running request has generated 50 tokens: the swap lands at a known place in them.
+  running request has generated 50 tokens: the swap lands at a known place in them;
+- `reload_weights 1 sleep=3`: hold its next swap for 3 s with the engine paused and the new
+  weights loaded but not yet labelled (where a client's deadline can land mid-swap).
 
 A point fires once: its line is removed from the file first (the file is deleted once empty),
 so a replica restarted with the same environment runs clean, and the lines left count their
@@ -29,7 +31,9 @@ from pathlib import Path
 ENV = "JAXRLHF_FAILPOINTS"
 POINTS = ("generate_completion", "update_weights", "reload_weights", "pause_for_swap")
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "fail": None}
-TOKENS = "tokens="  # `tokens=N`: the caller holds until N tokens (see `hit`)
+# Holds the caller performs itself (it knows what to wait for): `tokens=N`, until every running
+# request has N tokens; `sleep=S`, S seconds.
+HOLDS = ("tokens=", "sleep=")
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +46,9 @@ _armed: tuple[int, str] | None = None  # (mtime, contents) of the file the count
 _counts: collections.Counter[str] = collections.Counter()
 
 
-def hit(point: str) -> int | None:
-    """Counts a pass through `point`; fires the action armed for this count, if any. Returns N
-    for `tokens=N`, an action the caller performs itself (it knows what to wait for), else None.
-    """
+def hit(point: str) -> str | None:
+    """Counts a pass through `point`; fires the action armed for this count, if any. Returns a
+    hold (`tokens=N`, `sleep=S`: see `HOLDS`) for the caller to perform, else None."""
     global _armed
     path = os.environ.get(ENV)
     if not path:
@@ -67,8 +70,8 @@ def hit(point: str) -> int | None:
             for handler in logging.getLogger().handlers:
                 handler.flush()
             action = fields[2]
-            if action.startswith(TOKENS):
-                return int(action.removeprefix(TOKENS))
+            if action.startswith(HOLDS):
+                return action
             if ACTIONS[action] is None:
                 raise FailpointError(f"failpoint {point} {fields[1]} fail")
             os.kill(os.getpid(), ACTIONS[action])

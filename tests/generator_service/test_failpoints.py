@@ -18,7 +18,7 @@ def armed(tmp_path, monkeypatch):
 def test_points_fire_once_each_and_the_rest_stay_armed(armed):
     armed.write_text("pause_for_swap 1 tokens=50\nreload_weights 1 fail\n")
     assert failpoints.hit("generate_completion") is None
-    assert failpoints.hit("pause_for_swap") == 50  # an action the engine performs itself
+    assert failpoints.hit("pause_for_swap") == "tokens=50"  # a hold the engine performs
     assert armed.read_text() == "reload_weights 1 fail\n"
     with pytest.raises(failpoints.FailpointError, match="reload_weights 1 fail"):
         failpoints.hit("reload_weights")

@@ -69,3 +69,46 @@ def test_cancelled_writer_lets_readers_through():
         await asyncio.gather(hold, blocked)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=5))
+
+
+def test_a_swap_outlives_its_cancelled_caller():
+    """A client's deadline landing mid-swap: the swap runs to its end (never left paused),
+    then the caller's cancellation goes on."""
+    from generator_service.engine import finish_despite_cancellation
+
+    async def scenario() -> list[str]:
+        events: list[str] = []
+
+        async def swap() -> int:
+            events.append("paused")
+            await asyncio.sleep(0.2)
+            events.append("resumed")
+            return 7
+
+        async def caller() -> int:
+            return await finish_despite_cancellation(asyncio.ensure_future(swap()))
+
+        call = asyncio.ensure_future(caller())
+        await asyncio.sleep(0.05)
+        call.cancel()
+        await asyncio.sleep(0.05)
+        call.cancel()  # twice: still waits
+        try:
+            await call
+        except asyncio.CancelledError:
+            events.append("caller cancelled")
+        # Not cancelled: the result; the swap's own failure: raised.
+        events.append(str(await finish_despite_cancellation(asyncio.ensure_future(swap()))))
+
+        async def failing() -> None:
+            raise RuntimeError("reload failed")
+
+        try:
+            await finish_despite_cancellation(asyncio.ensure_future(failing()))
+        except RuntimeError as error:
+            events.append(str(error))
+        return events
+
+    assert asyncio.run(scenario()) == [
+        "paused", "resumed", "caller cancelled", "paused", "resumed", "7", "reload failed",
+    ]  # fmt: skip

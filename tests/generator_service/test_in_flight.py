@@ -213,6 +213,32 @@ def test_a_swap_failing_half_way_aborts_running_requests(in_flight, reference):
     assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
 
 
+def test_an_update_cancelled_mid_swap_completes(in_flight, reference):
+    """A client's deadline expiring while the engine is paused with the new weights loaded and
+    not yet labelled (held there by a failpoint): the swap still completes, and what is served
+    is what the version says; the scheduler runs again. (Drain mode swaps through the same
+    `Engine.swap_weights`.)"""
+    old_version = in_flight.version
+    new = perturbed(in_flight.tensors, seed=15)
+    with open(in_flight.failpoints, "a") as armed:
+        armed.write("reload_weights 1 sleep=6\n")
+    with pytest.raises(grpc.RpcError) as error:
+        in_flight.client.update_weights(new, old_version + 1, chunk_bytes=1 << 16, timeout=2.5)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not in_flight.failpoints.exists(), "the deadline expired before the swap began"
+    deadline = time.monotonic() + 30
+    while (status := in_flight.client.status()).policy_version == old_version:
+        # (Before the fix: the cancelled swap resumed the engine on the new weights under the
+        # old version, serving, for good.)
+        assert time.monotonic() < deadline, "the new weights serve under the old version"
+        time.sleep(0.05)
+    in_flight.version, in_flight.tensors = status.policy_version, new
+    assert (status.serving, status.policy_version) == (True, old_version + 1)
+    (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
+    assert list(completion.token_policy_versions) == [old_version + 1] * 12
+    assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
+
+
 CLIENT = """
 import sys
 sys.path.insert(0, sys.argv[1])
