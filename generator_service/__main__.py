@@ -67,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="engine sampling seed")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV-cache block, the unit of prefix caching (default: vLLM's, 128 on CPU)",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
         staging_dir=args.staging_dir,
         kv_cache_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
         swap_mode=args.swap_mode,

@@ -19,9 +19,14 @@ its tokens depend on when the swap came (reproducible only between swaps).
 
 Prefix-cache entries never cross versions: every request's prompt is salted with the version it
 was submitted under (`cache_salt`), and the prefix cache is reset at every swap where nothing
-holds it. A swap that fails while loading leaves the weights in an unknown state: the engine
-then aborts every running request (in-flight mode) rather than continue it, and refuses new
-calls until a complete update succeeds. Updates that are refused (malformed, stale) are refused
+holds it. One exception, in "keep" mode: a request submitted under v and first scheduled after
+a swap (queued behind `max_num_seqs`) reads blocks salted v, computed perhaps with v's weights,
+which keep mode cannot reset under running requests; its first token is then tagged v (see
+`_sample`), so that the sample's oldest tag is the oldest weights it may depend on.
+
+A swap that fails while loading leaves the weights in an unknown state: the engine then aborts
+every running request (in-flight mode) rather than continue it, and refuses new calls until a
+complete update succeeds. Updates that are refused (malformed, stale) are refused
 before the engine pauses, so running requests never notice them.
 """
 
@@ -69,6 +74,7 @@ class EngineConfig:
     # None: eager on CPU (no graph capture there), graphs elsewhere.
     enforce_eager: bool | None = None
     max_num_seqs: int | None = None
+    block_size: int | None = None  # None: vLLM's (128 on CPU: shorter prompts are never cached)
     # Where updates are staged before the engine loads them (RAM-backed if possible; see
     # weights.py). None: /dev/shm when writable, else the system temp folder.
     staging_dir: str | None = None
@@ -225,6 +231,7 @@ class GeneratorEngine:
             seed=config.seed,
             enforce_eager=enforce_eager,
             max_num_seqs=config.max_num_seqs,
+            block_size=config.block_size,
             kv_cache_memory_bytes=kv_cache_bytes,
             # Logprobs of the distribution actually sampled (temperature, top-k/p applied),
             # which is what the learner's importance ratios need.
@@ -438,6 +445,19 @@ class GeneratorEngine:
                 f"request {request.request_id} submitted under version {version} ran on weight "
                 f"versions {[(s.version, s.start, s.end) for s in spans or ()]}",
             )
+        if (
+            self.in_flight
+            and self.config.in_flight_kv == "keep"
+            and versions
+            and versions[0] > version
+            and (final.num_cached_tokens or 0) > 0
+        ):
+            # First scheduled after a swap, its prompt read prefix-cache blocks salted with the
+            # version it was submitted under: blocks computed, perhaps, with those older
+            # weights and kept (keep mode cannot reset the cache under running requests).
+            # Tagged conservatively: its first token carries that version, the oldest weights
+            # the sample may depend on, as a request running across the swap would.
+            versions[0] = version
         step_logprobs = completion.logprobs or []
         return Sample(
             prompt_index=request.prompt_index,
@@ -536,13 +556,20 @@ class GeneratorEngine:
             await asyncio.sleep(float(value))
 
     async def _wait_for_tokens(self, count: int, timeout: float = 120.0) -> None:
-        """Waits until every running request has generated `count` tokens (or `timeout`), so
-        that the swap after it lands at a known place in them (the `pause_for_swap` failpoint).
+        """Waits until every running request (one with a token: those still queued behind the
+        engine's `max_num_seqs` have none) has generated `count` tokens (or `timeout`), so that
+        the swap after it lands at a known place in them (the `pause_for_swap` failpoint).
         Reads vLLM's own record of each request's output tokens, which it keeps even though
         the outputs themselves are only sent once finished."""
         states = self._llm.output_processor.request_states
+
+        def reached() -> bool:
+            counts = [state.detokenizer.num_output_tokens() for state in states.values()]
+            running = [n for n in counts if n > 0]
+            return bool(running) and min(running) >= count
+
         deadline = time.monotonic() + timeout
-        while any(state.detokenizer.num_output_tokens() < count for state in states.values()):
+        while not reached():
             if time.monotonic() > deadline:
                 logger.warning("failpoint: running requests never reached %d tokens", count)
                 return

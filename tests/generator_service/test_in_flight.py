@@ -30,8 +30,10 @@ from tests.generator_service.test_update_weights import perturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-# 40 tokens: more than two KV blocks of 16, so a request sharing it could reuse cached blocks.
+# 40 tokens: more than one KV block (BLOCK_SIZE), so a request sharing it reuses a cached block.
 LONG_PROMPT = list(range(5, 45))
+# vLLM's default on CPU is 128 tokens, longer than any prompt here: nothing would be cached.
+BLOCK_SIZE = 32
 # Run beside it: slower steps, so that the update lands well inside the generation.
 FILLERS = [[11, 12, 13], [100, 101], [7, 8, 9, 10], [50, 51, 52], [300, 301], [3, 2, 1, 0, 4]]
 MAX_TOKENS = 200
@@ -42,6 +44,8 @@ HOLD_TOKENS = 60
 # wrong weights moves them by more than 5x this (the swap test asserts it for its tokens), so
 # the check tells the two KV policies apart.
 LOGPROB_ATOL = 2e-3
+# Requests the engine runs at once: LONG_PROMPT and FILLERS run together, more queue.
+MAX_NUM_SEQS = 8
 
 
 class Server:
@@ -68,7 +72,8 @@ def in_flight(request, tiny_llama, tmp_path_factory, start_generator_server):
     failpoints = folder / "failpoints"
     process = start_generator_server(
         tiny_llama, folder / "server.log",
-        ["--swap-mode", "in-flight", "--in-flight-kv", kv],
+        ["--swap-mode", "in-flight", "--in-flight-kv", kv, "--max-num-seqs", str(MAX_NUM_SEQS),
+         "--block-size", str(BLOCK_SIZE)],
         env={"JAXRLHF_FAILPOINTS": str(failpoints)},
     )  # fmt: skip
     client = GeneratorClient(process.address)
@@ -161,6 +166,39 @@ def test_a_swap_lands_in_a_running_generation(in_flight, reference):
     (late,) = _greedy(in_flight.client, [LONG_PROMPT], max_tokens=16)
     assert list(late.token_policy_versions) == [old_version + 1] * 16
     assert list(late.token_ids) == reference.greedy(new, LONG_PROMPT, 16)
+
+
+def test_a_request_queued_across_a_swap_is_tagged_by_the_cache_it_read(in_flight, reference):
+    """Two more copies of LONG_PROMPT queue behind MAX_NUM_SEQS running requests, submitted
+    under the old version (salted with it) and first scheduled after the swap. With the KV
+    cache kept, they read the LONG_PROMPT blocks the first copy computed with the old weights:
+    their first token is tagged old (the sample depends on it), the rest new. With it
+    recomputed, the cache was reset at the swap: they are the new weights' greedy tokens,
+    tagged new."""
+    old, old_version = in_flight.tensors, in_flight.version
+    new = perturbed(old, seed=16)
+    queued = 2
+    prompts = [LONG_PROMPT, *FILLERS, LONG_PROMPT] + [LONG_PROMPT] * queued
+    assert len(prompts) == MAX_NUM_SEQS + queued
+    _hold_the_next_swap(in_flight)
+    results: dict[str, list] = {}
+    thread = threading.Thread(
+        target=lambda: results.update(done=_greedy(in_flight.client, prompts))
+    )
+    thread.start()
+    deadline = time.monotonic() + 30
+    while in_flight.client.status().num_requests_running < MAX_NUM_SEQS:
+        assert time.monotonic() < deadline, "the call never ran"
+        time.sleep(0.002)
+    in_flight.push(new)
+    thread.join(timeout=300)
+    for completion in results["done"][-queued:]:
+        versions = list(completion.token_policy_versions)
+        if in_flight.kv == "keep":
+            assert versions == [old_version] + [old_version + 1] * (MAX_TOKENS - 1)
+        else:
+            assert versions == [old_version + 1] * MAX_TOKENS
+            assert list(completion.token_ids) == reference.greedy(new, LONG_PROMPT, MAX_TOKENS)
 
 
 def test_a_refused_update_leaves_running_requests_on_the_old_weights(in_flight, reference):
