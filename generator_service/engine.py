@@ -292,7 +292,8 @@ class GeneratorEngine:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         # One engine request per sample (n=1): each streams back as soon as it finishes, and
-        # n>1 with streamed outputs loses samples (DESIGN §6). vLLM fans n out the same way.
+        # n>1 with streamed outputs held only one of the n samples in the last output (seen
+        # with vLLM 0.32 on CPU). vLLM fans n out the same way.
         # No per-request seed: it crashes on CPU; the engine is seeded instead.
         return SamplingParams(
             n=1,

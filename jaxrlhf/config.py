@@ -27,7 +27,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """Every key a run reads, with defaults (the paper's where it has one, DESIGN §3)."""
+    """Every key a run reads, with defaults (the Asynchronous RLHF paper's where it has one)."""
     c = ml_collections.ConfigDict()
     c.stage = "rlhf"
     c.seed = 0

@@ -1,6 +1,6 @@
 """Held-out splits by a hash of each example's key: train, validation and test.
 
-Every task has three splits (DESIGN: choose hyper-parameters on one, report on another):
+Every task has three splits (hyper-parameters are chosen on one and reported on another):
 
 - train: what the learner trains on;
 - validation: evaluations during a run and the choice of hyper-parameters;
