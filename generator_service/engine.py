@@ -294,7 +294,9 @@ class GeneratorEngine:
         # One engine request per sample (n=1): each streams back as soon as it finishes, and
         # n>1 with streamed outputs held only one of the n samples in the last output (seen
         # with vLLM 0.32 on CPU). vLLM fans n out the same way.
-        # No per-request seed: it crashes on CPU; the engine is seeded instead.
+        # No per-request seed: a seeded call runs alone on a re-seeded engine instead, which
+        # also repeats its batching, and with it the numerics (per-request seeds work on CPU
+        # since vLLM 0.32; older versions crashed: "CPU Generator does not use offset").
         return SamplingParams(
             n=1,
             temperature=sampling.temperature,
