@@ -21,7 +21,8 @@ step is left out: no batch is generated after it, so its publish never waits in 
   which in drain mode returns only once the running generation has finished), and each part;
 - generator idle: generator_idle_s, the seconds within the step during which the generator
   generated nothing (no request running, or paused for a swap; from GetStatus.idle_seconds), and
-  generator_requests_mean, the requests it was generating on average;
+  generator_requests_mean, the requests it was generating on average, and generator_occupancy,
+  that mean ÷ its capacity (max_num_seqs);
 - token staleness: token_staleness_mean, and mixed_version_fraction (samples that span a swap).
 
 Over repeats: mean ± standard error of the per-run means, and each variant's ratio of means to
@@ -61,6 +62,7 @@ FIGURES = (
     ("  publishing", "weight_sync_s"),
     ("generator idle (s)", "generator_idle_s"),
     ("generator requests (mean)", "generator_requests_mean"),
+    ("generator occupancy", "generator_occupancy"),
     ("generation per batch (s)", "generate_s"),
     ("learning per batch (s)", "train_s"),
     ("token staleness (mean)", "token_staleness_mean"),

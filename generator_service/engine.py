@@ -132,11 +132,13 @@ class Sample:
 
 class Occupancy:
     """How busy the engine was: seconds with no request generating (none running, or the
-    scheduler paused for a swap), and request-seconds (the number generating, integrated over
+    scheduler paused for a swap), and request-seconds (the number generating, at most the
+    engine's `capacity` (its max_num_seqs: more are queued, not generating), integrated over
     time), since the engine started."""
 
-    def __init__(self) -> None:
-        self._since = time.monotonic()
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._started = self._since = time.monotonic()
         self._running = 0
         self._paused = False
         self.idle_seconds = 0.0
@@ -145,7 +147,7 @@ class Occupancy:
     def _advance(self) -> None:
         now = time.monotonic()
         elapsed, self._since = now - self._since, now
-        generating = 0 if self._paused else self._running
+        generating = 0 if self._paused else min(self._running, self.capacity)
         if generating == 0:
             self.idle_seconds += elapsed
         self.request_seconds += generating * elapsed
@@ -166,6 +168,12 @@ class Occupancy:
         """(idle seconds, request-seconds) up to now."""
         self._advance()
         return self.idle_seconds, self.request_seconds
+
+    def fraction(self) -> float:
+        """Request-seconds ÷ (seconds × capacity) since the start, in [0, 1]."""
+        self._advance()
+        seconds = self._since - self._started
+        return self.request_seconds / (seconds * self.capacity) if seconds > 0 else 0.0
 
 
 def token_versions(spans, num_tokens: int) -> list[int] | None:
@@ -261,7 +269,9 @@ class GeneratorEngine:
             logger.warning(self.weight_specs_error)
         self._gate = VersionGate()
         self._calls = VersionGate()  # "in-flight" mode: seeded calls alone, without swaps
-        self.occupancy = Occupancy()
+        # The engine's own limit on requests generating at once.
+        self.max_num_seqs: int = self._llm.vllm_config.scheduler_config.max_num_seqs
+        self.occupancy = Occupancy(self.max_num_seqs)
 
     async def start(self) -> None:
         """Labels the engine's weights with version 0 (vLLM's weight-version spans)."""

@@ -249,6 +249,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             in_flight_kv=engine.config.in_flight_kv if engine.in_flight else "",
             idle_seconds=idle_seconds,
             request_seconds=request_seconds,
+            max_num_seqs=engine.max_num_seqs,
+            occupancy=engine.occupancy.fraction(),
         )
 
     async def _publish_health(self) -> None:

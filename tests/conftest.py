@@ -35,6 +35,7 @@ def pytest_configure(config):
 
         os.environ[NO_ENGINE_ENV] = "a test of `-m 'not slow'` started a generator service"
 
+
 REPO = Path(__file__).resolve().parent.parent
 # Generated models live in the git-ignored cache so reruns reuse them.
 TEST_CACHE = Path(os.environ.get("JAXRLHF_TEST_CACHE", REPO / ".cache" / "test-models"))

@@ -102,6 +102,7 @@ def test_swap_modes_bench_runs_each_mode_end_to_end(tmp_path):
             assert 0 <= record["token_staleness_max"] <= record["staleness_max"] <= 1
             assert record["token_staleness_mean"] <= record["staleness_mean"]
             assert record["generator_idle_s"] >= 0 and record["generator_requests_mean"] >= 0
+            assert 0 <= record["generator_occupancy"] <= 1
             if mode == "drain":
                 assert record["mixed_version_fraction"] == 0
                 assert record["token_staleness_mean"] == record["staleness_mean"]

@@ -361,7 +361,8 @@ def test_swap_modes_figures_by_hand():
     def record(step, wait, sync, staleness):
         return {"step": step, "step_s": 1.0 + step, "wait_for_generation_s": wait,
                 "weight_sync_s": sync, "generator_idle_s": 0.1, "generator_requests_mean": 8.0,
-                "generate_s": 0.9, "train_s": 0.2, "token_staleness_mean": staleness,
+                "generator_occupancy": 0.5, "generate_s": 0.9, "train_s": 0.2,
+                "token_staleness_mean": staleness,
                 "mixed_version_fraction": 1.0 - staleness}  # fmt: skip
 
     drain = [record(1, 9.0, 9.0, 1.0), record(2, 0.0, 0.5, 1.0), record(3, 0.1, 0.3, 1.0),

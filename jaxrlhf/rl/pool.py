@@ -189,10 +189,11 @@ class GeneratorPool:
         return {"generators_live": live, **{k: counts.get(k, 0) for k in
                 ("failures", "failovers", "restarts", "rejoins")}}  # fmt: skip
 
-    def occupancy(self) -> dict[str, tuple[float, float]]:
-        """(idle seconds, request-seconds) since start of each live replica (GetStatus; see
-        GeneratorStatus.idle_seconds), by target; asked in parallel, and a replica that does not
-        answer within a second is left out (it is not failed for that: its calls decide)."""
+    def occupancy(self) -> dict[str, tuple[float, float, int]]:
+        """(idle seconds, request-seconds, capacity) since start of each live replica
+        (GetStatus; see GeneratorStatus.idle_seconds, max_num_seqs), by target; asked in
+        parallel, and a replica that does not answer within a second is left out (it is not
+        failed for that: its calls decide)."""
         replicas = self._in(LIVE)
         futures = [self._calls.submit(r.client.status, timeout=min(self.timeouts.status, 1.0))
                    for r in replicas]  # fmt: skip
@@ -202,7 +203,8 @@ class GeneratorPool:
                 status = future.result()
             except grpc.RpcError:
                 continue
-            out[replica.target] = (status.idle_seconds, status.request_seconds)
+            out[replica.target] = (status.idle_seconds, status.request_seconds,
+                                   status.max_num_seqs)  # fmt: skip
         return out
 
     def needs_weights(self) -> bool:

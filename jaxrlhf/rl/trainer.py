@@ -407,18 +407,24 @@ class FleetWatch:
 
 
 def occupancy_metrics(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """Over `seconds`, averaged over the replicas that answered both times: generator_idle_s,
-    the seconds a replica generated nothing (no request, or paused for a swap), and
-    generator_requests_mean, how many requests it was generating on average."""
+    """Over `seconds`, averaged over the replicas that answered both times (`before`, `after`:
+    `GeneratorPool.occupancy`): generator_idle_s, the seconds a replica generated nothing (no
+    request, or paused for a swap); generator_requests_mean, how many requests it was
+    generating on average; generator_occupancy, that mean ÷ its capacity (max_num_seqs), in
+    [0, 1] (a replica reporting no capacity, older than the field, is left out of it)."""
     both = [target for target in after if target in before]
     if not both or seconds <= 0:
         return {}
     idle = [after[t][0] - before[t][0] for t in both]
-    requests = [(after[t][1] - before[t][1]) / seconds for t in both]
-    return {
+    requests = {t: (after[t][1] - before[t][1]) / seconds for t in both}
+    out = {
         "generator_idle_s": float(np.mean(idle)),
-        "generator_requests_mean": float(np.mean(requests)),
+        "generator_requests_mean": float(np.mean(list(requests.values()))),
     }
+    shares = [requests[t] / after[t][2] for t in both if after[t][2]]
+    if shares:
+        out["generator_occupancy"] = float(np.mean(shares))
+    return out
 
 
 def staleness_metrics(rollout: Rollout, learner_version: int) -> dict[str, float]:

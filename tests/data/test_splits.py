@@ -32,7 +32,7 @@ def test_arithmetic_splits_partition_the_pairs():
 
 
 def test_arithmetic_splits_keep_swapped_questions_together():
-    """"b + a" is the question "a + b" with the same answer: it must never sit in another split
+    """ "b + a" is the question "a + b" with the same answer: it must never sit in another split
     (hashing the ordered pair put ~80% of the test questions' twins in train)."""
     unordered = {
         name: {frozenset(_operands(p)) for p in make_problems(0, name)}

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from generator_service.engine import Occupancy
 from generator_service.weights import WeightUpdateError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +52,8 @@ class RecordingEngine:
         self.max_model_len, self.vocab_size, self.dtype, self.vllm_version = 0, 0, "", ""
         self.num_requests_running = self.num_calls_waiting = self.num_updates = 0
         self.last_update_unix_time = 0.0
-        self.occupancy = types.SimpleNamespace(totals=lambda: (0.0, 0.0))
+        self.max_num_seqs = 1
+        self.occupancy = Occupancy(self.max_num_seqs)
 
     async def swap_weights(self, staging_path, tensors, policy_version, allow_rollback=False):
         if self.fail_swaps > 0:

@@ -128,6 +128,7 @@ def test_status_reports_the_mode(in_flight):
     status = in_flight.client.status()
     assert (status.swap_mode, status.in_flight_kv) == ("in-flight", in_flight.kv)
     assert status.idle_seconds > 0 and status.request_seconds >= 0
+    assert status.max_num_seqs == MAX_NUM_SEQS and 0 <= status.occupancy <= 1
 
 
 def test_a_swap_lands_in_a_running_generation(in_flight, reference):

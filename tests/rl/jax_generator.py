@@ -73,7 +73,7 @@ class JaxGenerator:
         return {"generators_live": 1, "failures": 0, "failovers": 0, "restarts": 0,
                 "rejoins": 0}  # fmt: skip
 
-    def occupancy(self) -> dict[str, tuple[float, float]]:
+    def occupancy(self) -> dict[str, tuple[float, float, int]]:
         return {}  # generates in the learner's thread: no idle time of its own to report
 
     def wait_until_serving(self, timeout: float = 0.0) -> list[Any]:

@@ -96,6 +96,36 @@ def test_staleness_is_measured_per_sample_and_per_token():
     assert Rollout.from_json(batch.to_json()).samples == batch.samples
 
 
+def test_generator_occupancy_is_request_seconds_over_capacity_by_hand():
+    from jaxrlhf.rl.trainer import occupancy_metrics
+
+    # Over 10 s: replica A (capacity 8) idle 2 s, 40 request-seconds (4 at a time: half full);
+    # B (capacity 4) idle 0 s, 40 request-seconds (full); C answered only once (left out); D
+    # reports no capacity (a server older than the field): in the means, not in occupancy.
+    before = {"A": (1.0, 10.0, 8), "B": (0.0, 0.0, 4), "D": (0.0, 0.0, 0)}
+    after = {"A": (3.0, 50.0, 8), "B": (0.0, 40.0, 4), "C": (0.0, 9.0, 4), "D": (4.0, 10.0, 0)}
+    assert occupancy_metrics(before, after, 10.0) == {
+        "generator_idle_s": pytest.approx((2.0 + 0.0 + 4.0) / 3),
+        "generator_requests_mean": pytest.approx((4.0 + 4.0 + 1.0) / 3),
+        "generator_occupancy": pytest.approx((4 / 8 + 4 / 4) / 2),
+    }
+    assert occupancy_metrics({}, after, 10.0) == {}
+
+
+def test_engine_occupancy_counts_at_most_its_capacity(monkeypatch):
+    from generator_service import engine
+
+    clock = iter([0.0, 1.0, 3.0, 4.0, 5.0, 6.0, 6.0])
+    monkeypatch.setattr(engine.time, "monotonic", lambda: next(clock))
+    occupancy = engine.Occupancy(capacity=2)  # t = 0
+    occupancy.started()  # t = 1: 1 s idle
+    occupancy.started()  # t = 3: 1 running for 2 s
+    occupancy.started()  # t = 4: 2 running for 1 s (a third is admitted: it queues)
+    occupancy.paused(True)  # t = 5: 2 of 3 generating (the capacity) for 1 s
+    assert occupancy.totals() == (2.0, 2 * 1.0 + 2 * 1.0 + 1 * 2.0)  # t = 6: paused 1 s
+    assert occupancy.fraction() == pytest.approx(6.0 / (6.0 * 2))  # t = 6
+
+
 def test_truncated_is_weights_take_each_tokens_own_behaviour_logprob():
     """Across a swap, each token's behaviour log-prob is the one of the weights that sampled
     it: the per-token weight min(π_old/π_sampler, cap) and the sequence weight use them."""
