@@ -109,13 +109,14 @@ def default_cpu_kv_cache_bytes() -> int:
     return int(min(4 * GIB, max(GIB // 2, psutil.virtual_memory().available // 4)))
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Request:
     request_id: str
     prompt_index: int
     prompt_id: str
     token_ids: list[int]
     sample_index: int
+    submitted: float = 0.0  # Unix time it went to the engine
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,8 @@ class Sample:
     finish_reason: str
     policy_version: int  # of the first token
     token_policy_versions: list[int]  # of each token
+    submitted_unix_time: float = 0.0
+    finished_unix_time: float = 0.0
 
 
 class Occupancy:
@@ -298,21 +301,27 @@ class GeneratorEngine:
         """Raises GenerateError(INVALID_ARGUMENT) naming the first problem found."""
         validate_request(prompts, sampling, self.vocab_size, self.max_model_len)
 
-    def _sampling_params(self, sampling: Sampling):
+    def _sampling_params(
+        self, sampling: Sampling, seed: int | None = None, max_tokens: int | None = None
+    ):
+        """vLLM's params of one request; `seed`: its own (GenerateRequest.seed_per_request),
+        `max_tokens`: its prompt's (Prompt.max_tokens)."""
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         # One engine request per sample (n=1): each streams back as soon as it finishes, and
         # n>1 with streamed outputs held only one of the n samples in the last output (seen
         # with vLLM 0.32 on CPU). vLLM fans n out the same way.
-        # No per-request seed: a seeded call runs alone on a re-seeded engine instead, which
-        # also repeats its batching, and with it the numerics (per-request seeds work on CPU
-        # since vLLM 0.32; older versions crashed: "CPU Generator does not use offset").
+        # A seeded call runs alone on a re-seeded engine by default, which also repeats its
+        # batching, and with it the numerics; `seed_per_request` seeds each request instead
+        # (exact on CPU since vLLM 0.32; older versions crashed: "CPU Generator does not use
+        # offset").
         return SamplingParams(
+            seed=seed,
             n=1,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=max(sampling.top_k, 0),
-            max_tokens=sampling.max_tokens,
+            max_tokens=max_tokens or sampling.max_tokens,
             min_tokens=sampling.min_tokens,
             stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
@@ -340,8 +349,16 @@ class GeneratorEngine:
         queue: asyncio.Queue[Sample | None] = asyncio.Queue()
         call_id = uuid.uuid4().hex
 
+        def request_params(prompt_index: int, sample_index: int):
+            if not (sampling.seed_per_request or sampling.prompt_max_tokens):
+                return params
+            seed = None
+            if sampling.seed_per_request:
+                seed = (sampling.seed + prompt_index * sampling.n + sample_index) % (1 << 63)
+            return self._sampling_params(sampling, seed, sampling.max_tokens_of(prompt_index))
+
         async def run_call() -> None:
-            seeded = sampling.seed is not None
+            seeded = sampling.seed is not None and not sampling.seed_per_request
             # A seeded call runs alone, so that nothing else draws from the re-seeded RNG. In
             # "drain" mode one gate orders calls and swaps; in "in-flight" mode calls hold the
             # swap gate only while they are handed to the engine, and `_calls` orders them.
@@ -373,7 +390,10 @@ class GeneratorEngine:
                                         f"{call_id}-{prompt_index}-{sample_index}",
                                         prompt_index, prompt_id, list(token_ids), sample_index,
                                     )  # fmt: skip
-                                    collector = await self._submit(request, params, version)
+                                    collector = await self._submit(
+                                        request, request_params(prompt_index, sample_index),
+                                        version,
+                                    )  # fmt: skip
                                     submitted.append(collector.request_id)
                                     group.create_task(
                                         self._collect(queue, request, collector, version)
@@ -417,6 +437,7 @@ class GeneratorEngine:
         from vllm.inputs import tokens_input
 
         prompt = tokens_input(request.token_ids, cache_salt=f"policy-{version}")
+        request.submitted = time.time()
         return await self._llm.add_request(request.request_id, prompt, params)
 
     async def _collect(self, queue: asyncio.Queue, request: _Request, collector, version: int):
@@ -483,6 +504,8 @@ class GeneratorEngine:
             finish_reason=completion.finish_reason or "",
             policy_version=versions[0] if versions else version,
             token_policy_versions=versions,
+            submitted_unix_time=request.submitted,
+            finished_unix_time=time.time(),
         )
 
     async def swap_weights(

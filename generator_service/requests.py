@@ -35,6 +35,13 @@ class Sampling:
     ignore_eos: bool = False
     min_tokens: int = 0
     seed: int | None = None  # set: reproducible call (see GenerateRequest.seed)
+    seed_per_request: bool = False  # with `seed` (GenerateRequest.seed_per_request)
+    # Per prompt (Prompt.max_tokens; 0 = max_tokens), or () when no prompt sets one.
+    prompt_max_tokens: tuple[int, ...] = ()
+
+    def max_tokens_of(self, prompt_index: int) -> int:
+        limits = self.prompt_max_tokens
+        return (limits[prompt_index] if limits else 0) or self.max_tokens
 
 
 # vLLM refuses higher temperatures when a request is built (SamplingParams._verify_args).
@@ -72,6 +79,8 @@ def _check_sampling(sampling: Sampling, vocab_size: int) -> None:
     for token in sampling.stop_token_ids:
         if not 0 <= token < vocab_size:
             raise _invalid(f"stop token id {token} is outside the vocabulary [0, {vocab_size})")
+    if sampling.seed_per_request and sampling.seed is None:
+        raise _invalid("seed_per_request is set but the request has no seed")
 
 
 def validate_request(
@@ -89,14 +98,21 @@ def validate_request(
             f"{len(prompts)} prompts x n={sampling.n} is {len(prompts) * sampling.n} samples, "
             f"over the {MAX_SAMPLES_PER_CALL} one call may ask for; split the call"
         )
+    if sampling.prompt_max_tokens and len(sampling.prompt_max_tokens) != len(prompts):
+        raise _invalid(f"{len(sampling.prompt_max_tokens)} prompt max_tokens for "
+                       f"{len(prompts)} prompts")  # fmt: skip
     for index, (prompt_id, token_ids) in enumerate(prompts):
         name = f"prompt {index} (id {prompt_id!r})"
         if not token_ids:
             raise _invalid(f"{name} is empty")
-        total = len(token_ids) + sampling.max_tokens
+        max_tokens = sampling.max_tokens_of(index)
+        if max_tokens < sampling.min_tokens:
+            raise _invalid(f"{name} has max_tokens {max_tokens}, below min_tokens "
+                           f"{sampling.min_tokens}")  # fmt: skip
+        total = len(token_ids) + max_tokens
         if total > max_model_len:
             raise _invalid(
-                f"{name} has {len(token_ids)} tokens; with max_tokens {sampling.max_tokens} "
+                f"{name} has {len(token_ids)} tokens; with max_tokens {max_tokens} "
                 f"that is {total}, over the model length {max_model_len}"
             )
         if min(token_ids) < 0 or max(token_ids) >= vocab_size:

@@ -76,6 +76,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             ignore_eos=options.ignore_eos,
             min_tokens=options.min_tokens,
             seed=request.seed if request.HasField("seed") else None,
+            seed_per_request=request.seed_per_request,
+            prompt_max_tokens=(
+                tuple(p.max_tokens for p in request.prompts)
+                if any(p.max_tokens for p in request.prompts)
+                else ()
+            ),
         )
         try:
             self._engine.validate(prompts, sampling)
@@ -95,6 +101,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     policy_version=sample.policy_version,
                     prompt_index=sample.prompt_index,
                     token_policy_versions=sample.token_policy_versions,
+                    submitted_unix_time=sample.submitted_unix_time,
+                    finished_unix_time=sample.finished_unix_time,
                 )
         except GenerateError as error:
             await context.abort(error.code, error.message)

@@ -91,6 +91,15 @@ def base_config() -> ml_collections.ConfigDict:
         # Seeded generation calls: batch i's samples depend only on (seed, i, weights), so a
         # resumed run regenerates exactly; each call then runs alone on its replica.
         seeded=True,
+        # Generation that continues across batches (jaxrlhf.rl.continuous): each prompt is its
+        # own call, started as soon as its batch's staleness bound allows and a replica has
+        # room (generator.capacity), so several batches may be generating at once. Exact resume
+        # is not promised in this mode; seeded calls seed each request instead of running alone.
+        continuous=False,
+        # Each prompt's own response budget (benchmarks of long tails): "" = max_response_tokens
+        # for all; "pareto:A:M" = drawn from a Pareto law of shape A and minimum M tokens,
+        # capped at max_response_tokens, a function of (seed, the prompt's position).
+        length_law="",
     )
     c.loss = "online_dpo"  # a name from jaxrlhf.losses.LOSSES
     c.loss_params = dict(
@@ -182,6 +191,11 @@ def base_config() -> ml_collections.ConfigDict:
         probe_interval_s=2.0,
         max_restarts=3,
         no_replica_timeout_s=600.0,
+        # Continuous generation: the sequences a replica is given at once (0 = its engine's
+        # max_num_seqs, from GetStatus). max_num_seqs: of a generator this run starts (0 =
+        # vLLM's default).
+        capacity=0,
+        max_num_seqs=0,
     )
     c.learner_cpus = ""  # e.g. "0": pin the learner process to these cores
     c.export = True
@@ -227,6 +241,15 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return config
 
 
+def _check_length_law(rollout) -> None:
+    from jaxrlhf.rl.rollout import parse_length_law
+
+    try:
+        parse_length_law(rollout.length_law, rollout.max_response_tokens)
+    except ValueError as error:
+        raise ConfigError(f"config.rollout.length_law: {error}") from None
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raises ConfigError naming the first bad key."""
     _require(config.stage in STAGES, f"config.stage={config.stage!r}: must be one of {STAGES}")
@@ -252,6 +275,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
     train = config.train
     _require(config.total_steps >= 1, f"config.total_steps={config.total_steps}: >= 1")
+    _check_length_law(config.rollout)
+    for key in ("capacity", "max_num_seqs"):
+        value = config.generator[key]
+        _require(value >= 0, f"config.generator.{key}={value}: must be >= 0 (0 = the engine's)")
     transports = ("auto", "stream", "shared")
     _require(
         config.generator.weight_transport in transports,

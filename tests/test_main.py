@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -123,3 +124,20 @@ def test_generators_in_another_swap_mode_are_refused():
     # A server older than swap modes reports none: it drains.
     check_swap_mode(SimpleNamespace(swap_mode="drain", in_flight_kv="keep"), ["a:1"],
                     [SimpleNamespace(swap_mode="", in_flight_kv="")])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("rollout.length_law", "pareto:2", "config.rollout.length_law: length law 'pareto:2'"),
+        ("generator.capacity", -1, "config.generator.capacity=-1: must be >= 0"),
+    ],
+)
+def test_continuous_generation_settings_are_checked(key, value, message):
+    from jaxrlhf.config import ConfigError, base_config, validate
+
+    config = base_config()
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(config)

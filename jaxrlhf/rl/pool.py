@@ -106,10 +106,22 @@ class Replica:
     error: str = ""
     restarts: int = 0
     restarting: bool = False
+    # Sequences it may generate at once for `lease` (its engine's max_num_seqs, or the pool's
+    # `capacity`), and how many leased calls hold now.
+    capacity: int = 0
+    in_use: int = 0
 
     @property
     def target(self) -> str:
         return self.client.target
+
+
+def prompt_messages(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int] = ()):
+    """Prompt messages of one call (ids "0", "1", ...), each with its own max_tokens when
+    `max_tokens` gives them (0 = the call's)."""
+    limits = list(max_tokens) or [0] * len(prompts)
+    return [generator_pb2.Prompt(id=str(i), token_ids=list(p), max_tokens=int(m))
+            for i, (p, m) in enumerate(zip(prompts, limits, strict=True))]  # fmt: skip
 
 
 class GeneratorPool:
@@ -135,6 +147,7 @@ class GeneratorPool:
         max_restarts: int = 3,
         no_replica_timeout: float = 600.0,
         log: Callable[[str], None] | None = None,
+        capacity: int = 0,
     ):
         if not targets:
             raise ValueError("at least one generator address is needed")
@@ -150,6 +163,9 @@ class GeneratorPool:
         self.restart, self.max_restarts = restart, max_restarts
         self.no_replica_timeout = no_replica_timeout
         self.log = log or logger.warning
+        if capacity < 0:
+            raise ValueError(f"replica capacity must be >= 0 (0 = the engine's), got {capacity}")
+        self.capacity = capacity
         self.counters: collections.Counter[str] = collections.Counter()
         self._transport: WeightTransport | None = None
         self._cond = threading.Condition()
@@ -218,6 +234,7 @@ class GeneratorPool:
         for replica in self.replicas:
             status = replica.client.wait_until_serving(timeout)
             replica.version = status.policy_version
+            replica.capacity = self.capacity or status.max_num_seqs
             statuses.append(status)
         return statuses
 
@@ -231,11 +248,15 @@ class GeneratorPool:
         min_version: int | None = None,
     ) -> list[Sample]:
         """All n completions of every prompt, prompt-major, from the live replicas (failover:
-        module docstring). `on_admitted()` runs once every first call was admitted (the server
-        says so before its first completion: the batch's weight version is then fixed) or has
-        ended. Replicas serving a version below `min_version` get no work; when none can take
-        the batch at first, `on_admitted()` runs at once: the learner must not wait for an
-        admission that needs it to bring a replica back (rejoin) or to publish first."""
+        module docstring); `sampling["prompt_max_tokens"]`, if given, is each prompt's own
+        max_tokens (Prompt.max_tokens). `on_admitted()` runs once every first call was
+        admitted (the server says so before its first completion: the batch's weight version
+        is then fixed) or has ended. Replicas serving a version below `min_version` get no
+        work; when none can take the batch at first, `on_admitted()` runs at once: the learner
+        must not wait for an admission that needs it to bring a replica back (rejoin) or to
+        publish first."""
+        sampling = dict(sampling)
+        limits = list(sampling.pop("prompt_max_tokens", ()))
         n = sampling.get("n", 1)
         done: dict[int, list[Sample]] = {}
         pending = list(range(len(prompts)))
@@ -261,7 +282,9 @@ class GeneratorPool:
                         on_admitted()
 
             futures = [
-                self._calls.submit(self._generate_part, r, [prompts[i] for i in part],
+                self._calls.submit(self._generate_part, r,
+                                   prompt_messages([prompts[i] for i in part],
+                                                   [limits[i] for i in part] if limits else ()),
                                    self._part_sampling(sampling, slot, attempt), settled)
                 for slot, (r, part) in enumerate(parts)
             ]  # fmt: skip
@@ -274,7 +297,9 @@ class GeneratorPool:
                     by_prompt[index].append(Sample(index, c.sample_index, tuple(c.token_ids),
                                                    tuple(c.logprobs), c.finish_reason,
                                                    c.policy_version,
-                                                   tuple(c.token_policy_versions)))  # fmt: skip
+                                                   tuple(c.token_policy_versions),
+                                                   c.submitted_unix_time,
+                                                   c.finished_unix_time))  # fmt: skip
                 for index, samples in by_prompt.items():
                     if sorted(s.sample_index for s in samples) == list(range(n)):
                         done[index] = samples
@@ -307,7 +332,7 @@ class GeneratorPool:
         timeout = self.timeouts.generate_for(len(prompts) * sampling.get("n", 1),
                                              sampling.get("max_tokens", 1))  # fmt: skip
         try:
-            stream = replica.client.generate([list(p) for p in prompts], timeout=timeout,
+            stream = replica.client.generate(prompts, timeout=timeout,
                                              **sampling)  # fmt: skip
             stream.initial_metadata()  # returns once the server admitted the call
             admitted = True
@@ -331,19 +356,97 @@ class GeneratorPool:
                     raise GeneratorError("the generator pool is closed")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    need = "" if min_version is None else f" at version >= {min_version}"
-                    states = "; ".join(f"{r.target}: {r.state}, version {r.version} ({r.error})"
-                                       for r in self.replicas)  # fmt: skip
-                    raise GeneratorError(f"no generator replica live{need} for "
-                                         f"{self.no_replica_timeout:g} s: {states}")  # fmt: skip
+                    raise self._none_live(min_version)
                 self._cond.wait(min(left, 1.0))
             return self._usable(min_version)
+
+    def _none_live(self, min_version: int | None) -> GeneratorError:
+        need = "" if min_version is None else f" at version >= {min_version}"
+        states = "; ".join(f"{r.target}: {r.state}, version {r.version} ({r.error})"
+                           for r in self.replicas)  # fmt: skip
+        return GeneratorError(f"no generator replica live{need} for "
+                              f"{self.no_replica_timeout:g} s: {states}")  # fmt: skip
 
     def _usable(self, min_version: int | None) -> list[Replica]:
         """The live replicas serving at least `min_version`."""
         with self._cond:
             return [r for r in self.replicas if r.state == LIVE
                     and (min_version is None or r.version >= min_version)]  # fmt: skip
+
+    # --- leased calls (continuous generation) -------------------------------------------------
+
+    def lease(self, cost: int, min_version: int | None, stop: threading.Event) -> Replica | None:
+        """A live replica serving at least `min_version` with `cost` sequences free, the one
+        with the most (a call costs at most a replica's whole capacity); its `cost` is held
+        until `release`. Waits for one to free up or (re)join; None once `stop` is set; raises
+        GeneratorError after `no_replica_timeout` s with no usable replica at all."""
+        deadline = time.monotonic() + self.no_replica_timeout
+        with self._cond:
+            while not stop.is_set():
+                usable = self._usable(min_version)
+                if usable:
+                    deadline = time.monotonic() + self.no_replica_timeout
+                # (a replica of unknown capacity, older than GetStatus.max_num_seqs, takes one
+                # call at a time)
+                free = [
+                    (r.capacity - r.in_use, r)
+                    for r in usable
+                    if r.in_use == 0 or r.capacity - r.in_use >= min(cost, r.capacity)
+                ]
+                if free:
+                    replica = max(free, key=lambda pair: pair[0])[1]
+                    replica.in_use += cost
+                    return replica
+                if self._closed.is_set():
+                    raise GeneratorError("the generator pool is closed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._none_live(min_version)
+                self._cond.wait(min(left, 0.5))
+        return None
+
+    def release(self, replica: Replica, cost: int) -> None:
+        with self._cond:
+            replica.in_use -= cost
+            self._cond.notify_all()
+
+    def run_leased(
+        self,
+        replica: Replica,
+        prompt: Sequence[int],
+        sampling: dict[str, Any],
+        started: Callable[[Any], None] | None = None,
+    ) -> tuple[list[Sample], str | None]:
+        """One Generate call of one prompt's n samples on a leased `replica` (the lease is
+        released when it ends): (its samples, prompt_index 0, or [] if the call failed; the
+        error that marks the replica failed, or None). `started(call)` gets the gRPC call, so
+        that it can be cancelled. A refusal (not a replica failure) raises GeneratorError."""
+        sampling = dict(sampling)
+        limit = sampling.pop("prompt_max_tokens", 0)
+        n = sampling.get("n", 1)
+        timeout = self.timeouts.generate_for(n, sampling.get("max_tokens", 1))
+        samples: list[Sample] = []
+        try:
+            stream = replica.client.generate(prompt_messages([prompt], [limit]), timeout=timeout,
+                                             **sampling)  # fmt: skip
+            if started is not None:
+                started(stream)
+            samples = [Sample(0, c.sample_index, tuple(c.token_ids), tuple(c.logprobs),
+                              c.finish_reason, c.policy_version, tuple(c.token_policy_versions),
+                              c.submitted_unix_time, c.finished_unix_time)
+                       for c in stream]  # fmt: skip
+        except grpc.RpcError as error:
+            if error.code() not in REPLICA_DOWN:
+                raise GeneratorError(describe(replica.target, error)) from error
+            reason = f"Generate: {error.code().name}: {error.details()}"
+            if error.code() != grpc.StatusCode.CANCELLED:
+                self._fail(replica, reason)
+            return [], reason
+        finally:
+            self.release(replica, n)
+        if sorted(s.sample_index for s in samples) != list(range(n)):
+            return [], f"Generate ended with {len(samples)} of {n} samples"
+        return samples, None
 
     # --- weights -----------------------------------------------------------------------------
 

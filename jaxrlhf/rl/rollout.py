@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +34,7 @@ class PromptItem:
     id: str
     token_ids: tuple[int, ...]
     answer: Any = None  # what the reward function needs (e.g. the correct sum)
+    max_tokens: int = 0  # its own response budget (0 = the run's max_response_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,10 @@ class Sample:
     # Of each token (non-decreasing); () from a generator that does not report them: then every
     # token is `policy_version`'s.
     token_policy_versions: tuple[int, ...] = ()
+    # When the generator took the request and when it ended (Unix seconds, its clock; 0 from
+    # a generator that does not say).
+    submitted_unix_time: float = 0.0
+    finished_unix_time: float = 0.0
 
     @property
     def token_versions(self) -> tuple[int, ...]:
@@ -71,7 +79,8 @@ class Rollout:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Rollout:
-        prompts = [PromptItem(p["id"], tuple(p["token_ids"]), p["answer"]) for p in data["prompts"]]
+        prompts = [PromptItem(p["id"], tuple(p["token_ids"]), p["answer"], p.get("max_tokens", 0))
+                   for p in data["prompts"]]  # fmt: skip
         samples = [
             Sample(
                 **{
@@ -232,6 +241,8 @@ class RolloutProducer:
                         return
                 prompts = self._prompts_for_batch(index)
                 sampling = dict(self._sampling)
+                if any(p.max_tokens for p in prompts):
+                    sampling["prompt_max_tokens"] = [p.max_tokens for p in prompts]
                 if self.generation_seed is not None:
                     # Reproducible batches: the sample depends on (seed, batch), not on history.
                     sampling["seed"] = self.generation_seed * 1_000_003 + index
@@ -273,3 +284,25 @@ def check_complete(index: int, samples: Sequence[Sample], prompts: int, n: int) 
             f"batch {index} came back with {len(missing)} (prompt, sample) missing, "
             f"{len(twice)} twice and {len(extra)} unknown of {prompts} x {n}"
         )
+
+
+def parse_length_law(law: str, max_tokens: int):
+    """None for "" (every prompt gets max_tokens), else (seed, position) -> a budget:
+    "pareto:A:M" = min(max_tokens, ⌈M · U^(−1/A)⌉), U uniform on (0, 1] from (seed, position):
+    a Pareto law of shape A and minimum M (heavy-tailed: A ≤ 2 has infinite variance)."""
+    if not law:
+        return None
+    name, *params = law.split(":")
+    try:
+        shape, minimum = (float(params[0]), int(params[1])) if name == "pareto" else (0, 0)
+    except (IndexError, ValueError):
+        shape = minimum = 0
+    if name != "pareto" or len(params) != 2 or shape <= 0 or not 1 <= minimum <= max_tokens:
+        raise ValueError(f"length law {law!r}: expected pareto:SHAPE:MIN with SHAPE > 0 and "
+                         f"1 <= MIN <= max_response_tokens ({max_tokens})")  # fmt: skip
+
+    def budget(seed: int, position: int) -> int:
+        uniform = 1.0 - np.random.default_rng([seed, position, 7]).random()  # in (0, 1]
+        return int(min(max_tokens, math.ceil(minimum * uniform ** (-1.0 / shape))))
+
+    return budget

@@ -28,11 +28,12 @@ import numpy as np
 from jaxrlhf.checkpointing import Checkpointer
 from jaxrlhf.distributed import broadcast, driven_streams, is_driver
 from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, save_pretrained
+from jaxrlhf.rl.continuous import ContinuousProducer
 from jaxrlhf.rl.eval_cache import EvaluationCache, folder_digest
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.metrics import MetricsWriter
 from jaxrlhf.rl.pool import GeneratorPool
-from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer
+from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer, parse_length_law
 from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import make_mesh
 
@@ -56,18 +57,25 @@ def _sampling(config) -> dict[str, Any]:
     )
 
 
-def prompts_for_batch_fn(task: Task, prompts_per_batch: int, seed: int):
+def prompts_for_batch_fn(
+    task: Task, prompts_per_batch: int, seed: int, length_law: str = "", max_tokens: int = 0
+):
     """batch index -> its prompts; a pure function of (seed, index), so a resumed run gets the
-    same prompts. Each epoch over the training prompts is a fresh permutation."""
+    same prompts. Each epoch over the training prompts is a fresh permutation. `length_law`
+    (`rollout.length_law`) gives each prompt its own response budget, at most `max_tokens`."""
     items = task.train_prompts
     count = len(items)
+    budget = parse_length_law(length_law, max_tokens)
 
     def prompts_for_batch(index: int) -> list[PromptItem]:
         out = []
         for position in range(index * prompts_per_batch, (index + 1) * prompts_per_batch):
             epoch, offset = divmod(position, count)
             order = np.random.default_rng([seed, epoch]).permutation(count)
-            out.append(items[order[offset]])
+            item = items[order[offset]]
+            if budget is not None:
+                item = dataclasses.replace(item, max_tokens=budget(seed, position))
+            out.append(item)
         return out
 
     return prompts_for_batch
@@ -294,9 +302,10 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
                 f"{cache.root}: delete it to generate them again)")  # fmt: skip
     producer = None
     if driver:
-        producer = RolloutProducer(
+        producer = (ContinuousProducer if cfg.rollout.continuous else RolloutProducer)(
         pool,
-        prompts_for_batch_fn(task, cfg.rollout.prompts_per_batch, cfg.seed),
+        prompts_for_batch_fn(task, cfg.rollout.prompts_per_batch, cfg.seed,
+                             cfg.rollout.length_law, cfg.rollout.max_response_tokens),
         _sampling(cfg),
         max_staleness=cfg.max_staleness,
         start_batch=start_step,
@@ -485,6 +494,7 @@ def train_one_step(
             producer.publish(version)
         sync_s = stats.seconds if stats is not None else time.perf_counter() - published
     staleness = staleness_metrics(rollout, version - 1)
+    step_s = time.perf_counter() - t0
     return {
         "policy_version": version,
         **learned,
@@ -496,7 +506,9 @@ def train_one_step(
         **staleness,
         "generation_tokens_per_s": rollout.num_tokens / max(rollout.generate_seconds, 1e-9),
         "wait_for_generation_s": wait_s,
-        "generate_s": rollout.generate_seconds,  # the Generate call of this batch, wall time
+        "generate_s": rollout.generate_seconds,  # from the batch's first call to its last end
         "weight_sync_s": sync_s,
-        "step_s": time.perf_counter() - t0,
+        "step_s": step_s,
+        # The share of the step the learner waited for its batch (nothing else to do).
+        "learner_idle_fraction": wait_s / step_s if step_s > 0 else 0.0,
     }

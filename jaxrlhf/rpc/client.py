@@ -86,8 +86,10 @@ class GeneratorClient:
         min_tokens: int = 0,
         timeout: float | None = None,
         seed: int | None = None,
+        seed_per_request: bool = False,
     ) -> Iterator[generator_pb2.Completion]:
-        """Streams completions as they finish; plain token lists get ids "0", "1", ..."""
+        """Streams completions as they finish; plain token lists get ids "0", "1", ...
+        (`seed`, `seed_per_request`: GenerateRequest's.)"""
         prompt_messages = [
             prompt
             if isinstance(prompt, generator_pb2.Prompt)
@@ -107,6 +109,7 @@ class GeneratorClient:
                 min_tokens=min_tokens,
             ),
             seed=seed,
+            seed_per_request=seed_per_request,
         )
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 

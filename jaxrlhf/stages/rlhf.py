@@ -30,6 +30,7 @@ def generator_pool(config, model_path: Path, log):
             "--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
             "--seed", str(gen.seed), "--swap-mode", gen.swap_mode,
             "--in-flight-kv", gen.in_flight_kv,
+            *(["--max-num-seqs", str(gen.max_num_seqs)] if gen.max_num_seqs else []),
         ]  # fmt: skip
         cpus = [int(c) for c in gen.cpus.split(",")] if gen.cpus else None
 
@@ -48,7 +49,7 @@ def generator_pool(config, model_path: Path, log):
         targets, auth_token=token, transport=gen.weight_transport,
         timeouts=Timeouts(gen.generate_timeout_s, gen.update_timeout_s, gen.status_timeout_s),
         probe_interval=gen.probe_interval_s, restart=restart, max_restarts=gen.max_restarts,
-        no_replica_timeout=gen.no_replica_timeout_s, log=log,
+        no_replica_timeout=gen.no_replica_timeout_s, log=log, capacity=gen.capacity,
     )  # fmt: skip
     try:
         statuses = pool.wait_until_serving()

@@ -139,14 +139,24 @@ class FakeGenerator:
     prompt, then sample 1, ...), so that a replica dying part-way leaves prompts with only some
     of their samples sent. `die_after=m`: after its m-th completion (over all calls) the replica
     is dead: the call ends UNAVAILABLE, as does every later call, GetStatus included.
+    `capacity`: the max_num_seqs it reports. `hold(token_ids)`: called with each call's first
+    prompt before it answers (a test blocks it there); `requests` keeps every GenerateRequest,
+    `max_running` the most calls it answered at once.
     """
 
-    def __init__(self, version: int = 0, tag: float = 0.0, die_after: int | None = None) -> None:
+    def __init__(
+        self, version: int = 0, tag: float = 0.0, die_after: int | None = None,
+        capacity: int = 0, hold=None, workers: int = 4,
+    ) -> None:  # fmt: skip
         from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2
 
         self.version, self.tag, self.die_after = version, tag, die_after
+        self.capacity, self.hold = capacity, hold
         self.dead = False
         self.calls: list[list[str]] = []  # the prompt ids of each Generate call
+        self.requests: list = []
+        self.running = self.max_running = 0
+        self._lock = threading.Lock()
         self._sent = 0
         pb = generator_pb2
         handlers = {
@@ -161,7 +171,7 @@ class FakeGenerator:
                 response_serializer=pb.GeneratorStatus.SerializeToString,
             ),
         }
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=workers))
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
         )
@@ -176,15 +186,31 @@ class FakeGenerator:
         from jaxrlhf_wire.stubs import generator_pb2
 
         self._alive(context)
-        return generator_pb2.GeneratorStatus(policy_version=self.version, serving=True)
+        return generator_pb2.GeneratorStatus(policy_version=self.version, serving=True,
+                                              max_num_seqs=self.capacity)  # fmt: skip
 
     def _generate(self, request, context):
         from jaxrlhf_wire import ADMITTED_VERSION_HEADER
-        from jaxrlhf_wire.stubs import generator_pb2
 
         self._alive(context)
-        self.calls.append([prompt.id for prompt in request.prompts])
-        context.send_initial_metadata(((ADMITTED_VERSION_HEADER, str(self.version)),))
+        with self._lock:
+            self.calls.append([prompt.id for prompt in request.prompts])
+            self.requests.append(request)
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        try:
+            version = self.version
+            context.send_initial_metadata(((ADMITTED_VERSION_HEADER, str(version)),))
+            if self.hold is not None:
+                self.hold(tuple(request.prompts[0].token_ids))
+            yield from self._completions(request, context, version)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+    def _completions(self, request, context, version: int):
+        from jaxrlhf_wire.stubs import generator_pb2
+
         for k in range(request.sampling.n or 1):
             for index, prompt in enumerate(request.prompts):
                 if self.die_after is not None and self._sent >= self.die_after:
@@ -199,8 +225,8 @@ class FakeGenerator:
                     token_ids=tokens,
                     logprobs=[self.tag] * len(tokens),
                     finish_reason="length",
-                    policy_version=self.version,
-                    token_policy_versions=[self.version] * len(tokens),
+                    policy_version=version,
+                    token_policy_versions=[version] * len(tokens),
                 )
 
     def stop(self) -> None:

@@ -90,6 +90,31 @@ INVALID = {
     "no prompts": (_request([]), "the request has no prompts"),
     "top_p > 1": (_request([[1]], top_p=1.5), "sampling.top_p must be in (0, 1]"),
     "negative temperature": (_request([[1]], temperature=-1), "sampling.temperature must be >= 0"),
+    "seed_per_request without a seed": (
+        generator_pb2.GenerateRequest(
+            prompts=_request([[1]]).prompts,
+            sampling=_request([[1]]).sampling,
+            seed_per_request=True,
+        ),
+        "seed_per_request is set but the request has no seed",
+    ),
+    "a prompt's max_tokens over the model length": (
+        generator_pb2.GenerateRequest(
+            prompts=[
+                generator_pb2.Prompt(id="a", token_ids=[1] * 250, max_tokens=2),
+                generator_pb2.Prompt(id="b", token_ids=[1] * 250, max_tokens=7),
+            ],
+            sampling=generator_pb2.SamplingParams(n=1, temperature=1.0, max_tokens=4),
+        ),
+        "prompt 1 (id 'b') has 250 tokens; with max_tokens 7 that is 257, over the model",
+    ),
+    "a prompt's max_tokens below min_tokens": (
+        generator_pb2.GenerateRequest(
+            prompts=[generator_pb2.Prompt(id="a", token_ids=[1], max_tokens=2)],
+            sampling=generator_pb2.SamplingParams(n=1, max_tokens=8, min_tokens=3),
+        ),
+        "prompt 0 (id 'a') has max_tokens 2, below min_tokens 3",
+    ),
 }
 
 
@@ -160,3 +185,32 @@ def test_seeded_calls_are_reproducible_and_report_admission(client, served):
     first, again, other = sample(123), sample(123), sample(124)
     assert first == again
     assert first != other
+
+
+def test_per_request_seeds_follow_the_request_not_the_batching(client, served):
+    """seed_per_request: sample j of prompt i draws from seed + i·n + j, so one request of a
+    4-request call, asked for alone with its own seed, gives the same tokens (exact on CPU)."""
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+
+    def sample(prompts, n, seed):
+        completions = client.generate(prompts, max_tokens=10, n=n, temperature=1.0, seed=seed,
+                                      seed_per_request=True, ignore_eos=True)  # fmt: skip
+        return {(c.prompt_index, c.sample_index): tuple(c.token_ids) for c in completions}
+
+    together = sample(prompts, 2, 1000)
+    assert len(set(together.values())) == 4  # four seeds, four different samples
+    assert sample([prompts[1]], 1, 1000 + 1 * 2 + 1) == {(0, 0): together[1, 1]}
+    assert sample([prompts[0]], 1, 1000 + 1) == {(0, 0): together[0, 1]}
+
+
+def test_each_prompt_may_have_its_own_max_tokens(client, served):
+    request = generator_pb2.GenerateRequest(
+        prompts=[generator_pb2.Prompt(id="short", token_ids=[5, 6], max_tokens=3),
+                 generator_pb2.Prompt(id="call's", token_ids=[7, 8]),
+                 generator_pb2.Prompt(id="long", token_ids=[9], max_tokens=11)],
+        sampling=generator_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=6, ignore_eos=True),
+    )  # fmt: skip
+    lengths = {(c.prompt_id, c.sample_index): len(c.token_ids)
+               for c in client.stub.Generate(request)}  # fmt: skip
+    assert lengths == {(p, k): m for p, m in (("short", 3), ("call's", 6), ("long", 11))
+                       for k in range(2)}  # fmt: skip

@@ -102,3 +102,57 @@ def test_offpolicy_test_bed_staleness_pattern(tiny_llama, generator_address, tmp
     assert [r["staleness_max"] for r in result.metrics] == [0, 1, 0, 1]
     published = [r["weight_sync_s"] > 0 for r in result.metrics]
     assert published == [False, True, False, True]
+
+
+@pytest.mark.slow
+def test_continuous_generation_runs_the_loop(tiny_llama, generator_address, tmp_path):
+    """rollout.continuous: prompt by prompt, batches in order, the same staleness pattern as
+    one-step-off on a drain-mode generator, and the learner's idle share logged."""
+    config = tiny_rl_config(tmp_path, "rloo", max_staleness=1, total_steps=4)
+    config.rollout.continuous = True
+    base, final, result = run(config, tiny_llama, generator_address)
+    check_versions(base, final, result, 1, config.total_steps)
+    for record in result.metrics:
+        assert 0 <= record["learner_idle_fraction"] < 1
+        assert len(record["samples_returned"]) == record["samples"]
+
+
+def batch_spans(tiny_llama, address, producer_class) -> list[tuple[float, float]]:
+    """(first request submitted, last request finished) of batches 0-2 (max_staleness 2: all
+    may start at version 0), by the server's clock, produced by `producer_class`."""
+    from jaxrlhf.rl.rollout import PromptItem
+
+    def prompts_for_batch(index: int) -> list[PromptItem]:
+        return [PromptItem(f"{index}-{p}", (5 + index, 6 + p, 7), None) for p in range(4)]
+
+    pool = GeneratorPool([address])
+    base = pool.wait_until_serving()[0].policy_version
+    sampling = dict(n=2, temperature=1.0, max_tokens=24, ignore_eos=True)
+    producer = producer_class(pool, prompts_for_batch, sampling, max_staleness=2,
+                              start_batch=0, published_version=base, end_batch=3,
+                              base_version=base, generation_seed=0)  # fmt: skip
+    try:
+        batches = [producer.next(timeout=120) for _ in range(3)]
+    finally:
+        producer.close()
+        pool.close()
+    return [(min(s.submitted_unix_time for s in b.samples),
+             max(s.finished_unix_time for s in b.samples)) for b in batches]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_next_batch_starts_before_the_last_one_ends_on_a_real_engine(
+    tiny_llama, generator_address
+):
+    """Server timestamps: with the continuous producer, batch i+1's first request reaches the
+    engine before batch i's last one ends; batch at a time, never (the control)."""
+    from jaxrlhf.rl.continuous import ContinuousProducer
+    from jaxrlhf.rl.rollout import RolloutProducer
+
+    continuous = batch_spans(tiny_llama, generator_address, ContinuousProducer)
+    one_at_a_time = batch_spans(tiny_llama, generator_address, RolloutProducer)
+    assert all(start > 0 and end > start for start, end in continuous + one_at_a_time)
+    for (_, end), (start, _) in zip(continuous, continuous[1:], strict=False):
+        assert start < end
+    for (_, end), (start, _) in zip(one_at_a_time, one_at_a_time[1:], strict=False):
+        assert start > end

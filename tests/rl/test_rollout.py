@@ -152,3 +152,24 @@ def test_samples_returned_lists_each_sample_as_it_came_back():
     samples = [Sample(p, k, (3,), (-1.0,), "stop", 0) for p, k in order]
     rollout = Rollout(0, prompts, samples, 0, 0.0)
     assert samples_returned(rollout) == [["b", 0], ["a", 1], ["a", 0], ["b", 0]]
+
+
+def test_the_pareto_length_law_by_hand():
+    """pareto:A:M gives min(cap, ⌈M · U^(−1/A)⌉) for U uniform on (0, 1] from (seed, position)."""
+    import math
+
+    import numpy as np
+
+    from jaxrlhf.rl.rollout import parse_length_law
+
+    assert parse_length_law("", 64) is None
+    budget = parse_length_law("pareto:1.5:4", 64)
+    uniform = 1.0 - np.random.default_rng([3, 17, 7]).random()
+    assert budget(3, 17) == min(64, math.ceil(4 * uniform ** (-1 / 1.5)))
+    draws = [budget(0, position) for position in range(4000)]
+    assert min(draws) >= 4 and max(draws) == 64 and budget(0, 5) == draws[5]
+    # P(budget > x) = (M / x)^A below the cap: > 16 tokens with probability (4/16)^1.5 = 1/8.
+    assert abs(np.mean(np.array(draws) > 16) - 0.125) < 0.02
+    for law in ("pareto:1.5", "pareto:0:4", "pareto:1.5:65", "zipf:1:2", "pareto:x:4"):
+        with pytest.raises(ValueError, match="expected pareto:SHAPE:MIN"):
+            parse_length_law(law, 64)

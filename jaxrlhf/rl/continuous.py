@@ -1,0 +1,260 @@
+"""The continuous producer (`rollout.continuous`): generation that never waits for a batch
+boundary.
+
+The batch-at-a-time producer (`jaxrlhf.rl.rollout.RolloutProducer`) makes one Generate call per
+batch and starts the next batch when the last sequence of this one ends, so a replica idles
+while a batch's longest answers finish. Here every prompt is its own call (its n samples), and
+a call starts as soon as
+
+- its batch's staleness bound allows it (batch i needs policy version ≥ i − max_staleness, the
+  same rule), and
+- a replica serving such a version has room: each replica takes at most its capacity in
+  sequences at once (its engine's `max_num_seqs`, or `generator.capacity`); a call goes to the
+  replica with the most room (`GeneratorPool.lease`), not to a fixed share of its batch.
+
+So batch i+1's first prompts start while batch i's last ones finish, on every replica, and with
+in-flight swaps (`generator.swap_mode=in-flight`) a batch's tail continues on the new weights.
+Prompts start in schedule order; a batch is handed to the learner once all its prompts are back,
+and batches in order. A call that fails with its replica (down, hung, gone) is started again
+from scratch on another (its partial samples dropped): no sample is lost or doubled. Every
+sample's oldest token is checked against its batch's bound.
+
+Seeded runs (`rollout.seeded`) seed each request on its own (GenerateRequest.seed_per_request):
+prompt p of batch i draws from a seed of (seed, i, p) whatever replica, batching or retry it
+meets, without a call ever running alone.
+
+A checkpoint holds the batches that are complete and not trained on yet; batches half
+generated are generated again after resuming, from the weights served then. Exact resume is
+not promised in this mode: which version a prompt starts on depends on timing.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxrlhf.rl.pool import GeneratorError, GeneratorPool
+from jaxrlhf.rl.rollout import PromptItem, Rollout, Sample
+
+
+@dataclasses.dataclass
+class _Batch:
+    index: int
+    prompts: list[PromptItem]
+    required: int
+    started: float
+    samples: dict[int, list[Sample]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.samples) == len(self.prompts)
+
+    def rollout(self) -> Rollout:
+        samples = [dataclasses.replace(s, prompt_index=p)
+                   for p in range(len(self.prompts)) for s in self.samples[p]]  # fmt: skip
+        return Rollout(self.index, self.prompts, samples, self.required,
+                       time.perf_counter() - self.started)  # fmt: skip
+
+
+class ContinuousProducer:
+    """Generates batches start_batch, start_batch+1, ... prompt by prompt (module docstring).
+
+    The learner's side is `RolloutProducer`'s: `next()` for each batch in order,
+    `publish(version)` once the generators serve new weights, `snapshot(version)` for a
+    checkpoint, `close()`.
+    """
+
+    def __init__(
+        self,
+        pool: GeneratorPool,
+        prompts_for_batch: Callable[[int], list[PromptItem]],
+        sampling: dict[str, Any],
+        max_staleness: int,
+        start_batch: int,
+        published_version: int,
+        end_batch: int,
+        base_version: int = 0,
+        generation_seed: int | None = None,
+        pending: Sequence[Rollout] = (),
+        log: Callable[[str], None] | None = None,
+    ):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self._pool = pool
+        self._prompts_for_batch = prompts_for_batch
+        self._sampling = dict(sampling)
+        self._n = self._sampling.get("n", 1)
+        self.max_staleness = max_staleness
+        self.base_version = base_version
+        self.generation_seed = generation_seed
+        self._log = log or (lambda message: None)
+        self._ready: collections.deque[Rollout] = collections.deque(pending)
+        self._next_batch = start_batch + len(self._ready)  # the next batch to start
+        self._next_delivery = self._next_batch  # the next batch to hand over once complete
+        self._end_batch = end_batch
+        self._published = published_version
+        self._batches: dict[int, _Batch] = {}
+        # (batch, prompt) calls to start, in schedule order; a failed call goes back in front.
+        self._queue: collections.deque[tuple[int, int]] = collections.deque()
+        self._calls: set[Any] = set()  # running gRPC calls (cancelled by `close`)
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self.retries = 0  # calls started again after their replica failed
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=sum(max(r.capacity, 1) for r in pool.replicas) // max(self._n, 1) + 8,
+            thread_name_prefix="prompt-call",
+        )
+        self._thread = threading.Thread(target=self._run, name="continuous-producer", daemon=True)
+        self._thread.start()
+
+    def required_version(self, batch_index: int) -> int:
+        return self.base_version + max(0, batch_index - self.max_staleness)
+
+    # --- the learner's side ------------------------------------------------------------------
+
+    def publish(self, version: int) -> None:
+        with self._cond:
+            self._published = max(self._published, version)
+            self._cond.notify_all()
+
+    def wait_admitted(self) -> None:
+        """Nothing to wait for: which version a prompt starts on is not fixed by the schedule
+        in this mode (the bound alone is), so a publish never waits for admissions."""
+
+    def next(self, timeout: float | None = None) -> Rollout:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready or self._error, timeout):
+                raise TimeoutError(f"no rollout batch within {timeout}s")
+            if self._ready:
+                return self._ready.popleft()
+            raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
+
+    def snapshot(self, version: int, timeout: float | None = None) -> list[Rollout]:
+        """The complete batches not trained on yet, in order (module docstring); waits for
+        nothing."""
+        with self._cond:
+            if self._error is not None:
+                raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
+            return list(self._ready)
+
+    def in_flight(self) -> list[int]:
+        """The batches started and not complete (for tests and logs)."""
+        with self._cond:
+            return sorted(i for i, b in self._batches.items() if not b.complete)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        self._thread.join(timeout=60)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- the producer thread -----------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._stop.set()
+            self._cond.notify_all()
+
+    def _next_call(self) -> tuple[int, int] | None:
+        """The next (batch, prompt) to start, once its batch's bound allows it; None to stop."""
+        with self._cond:
+            while not self._stop.is_set():
+                if self._queue:
+                    batch, prompt = self._queue[0]
+                    if self._published >= self._batches[batch].required:
+                        return self._queue.popleft()
+                elif self._next_batch < self._end_batch:
+                    index = self._next_batch
+                    required = self.required_version(index)
+                    if self._published >= required:
+                        prompts = self._prompts_for_batch(index)
+                        self._batches[index] = _Batch(index, prompts, required, time.perf_counter())
+                        self._queue.extend((index, p) for p in range(len(prompts)))
+                        self._next_batch += 1
+                        continue
+                self._cond.wait()
+        return None
+
+    def _run(self) -> None:
+        try:
+            while (call := self._next_call()) is not None:
+                batch = self._batches[call[0]]
+                replica = self._pool.lease(self._n, batch.required, self._stop)
+                if replica is None:
+                    return
+                self._executor.submit(self._call, call, replica)
+        except BaseException as error:  # noqa: BLE001 - handed to the learner thread
+            self._fail(error)
+
+    def _call_sampling(self, batch: int, prompt: int) -> dict[str, Any]:
+        sampling = dict(self._sampling)
+        if self._batches[batch].prompts[prompt].max_tokens:
+            sampling["prompt_max_tokens"] = self._batches[batch].prompts[prompt].max_tokens
+        if self.generation_seed is not None:
+            # Distinct for every (seed, batch, prompt, sample): the server adds the sample's
+            # index (GenerateRequest.seed_per_request).
+            batch_seed = self.generation_seed * 1_000_003 + batch
+            sampling["seed"] = (batch_seed * 65_537 + prompt * self._n) % (1 << 63)
+            sampling["seed_per_request"] = True
+        return sampling
+
+    def _call(self, call: tuple[int, int], replica) -> None:
+        index, prompt = call
+        batch = self._batches[index]
+        try:
+            samples, error = self._pool.run_leased(
+                replica, batch.prompts[prompt].token_ids, self._call_sampling(index, prompt),
+                started=self._started,
+            )  # fmt: skip
+        except GeneratorError as refused:
+            self._fail(refused)
+            return
+        except BaseException as error:  # noqa: BLE001 - handed to the learner thread
+            self._fail(error)
+            return
+        finally:
+            self._forget_calls()
+        if error is not None:
+            if self._stop.is_set():
+                return
+            with self._cond:
+                self.retries += 1
+                self._queue.appendleft(call)
+                self._cond.notify_all()
+            self._log(f"prompt {prompt} of batch {index} is started again ({error})")
+            return
+        stale = [s.oldest_version for s in samples if s.oldest_version < batch.required]
+        if stale:
+            self._fail(RuntimeError(
+                f"batch {index} needs policy version >= {batch.required} but the generator "
+                f"answered with tokens of version {min(stale)}"))  # fmt: skip
+            return
+        with self._cond:
+            batch.samples[prompt] = samples
+            while (done := self._batches.get(self._next_delivery)) and done.complete:
+                self._ready.append(done.rollout())
+                del self._batches[self._next_delivery]
+                self._next_delivery += 1
+            self._cond.notify_all()
+
+    def _started(self, stream) -> None:
+        with self._cond:
+            self._calls.add(stream)
+        if self._stop.is_set():
+            stream.cancel()
+
+    def _forget_calls(self) -> None:
+        with self._cond:
+            self._calls = {c for c in self._calls if c.is_active()}
