@@ -106,3 +106,28 @@ def test_swap_modes_bench_runs_each_mode_end_to_end(tmp_path):
             if mode == "drain":
                 assert record["mixed_version_fraction"] == 0
                 assert record["token_staleness_mean"] == record["staleness_mean"]
+
+
+@pytest.mark.slow
+def test_pipeline_modes_bench_runs_each_mode_end_to_end(tmp_path):
+    """Three runs, each with its own generator in its mode, on a shortened long-tail workload;
+    every token within the bound, every response within its budget."""
+    out = run(["bench/pipeline_modes.py", "--workload", "long-tail", "--steps", "3",
+               "--warmup", "1", "--out", str(tmp_path), "--config.rollout.max_response_tokens=24",
+               "--config.rollout.length_law=pareto:1.2:4", "--config.rollout.prompts_per_batch=4",
+               "--config.generator.max_num_seqs=4"],
+              env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert "continuous / one-step-off update rate" in out
+    assert result["ideal_speedup"] >= 1 and result["sync"]["rate_vs_sync"] == 1
+    for mode in ("sync", "one-step-off", "continuous"):
+        figures = result[mode]
+        assert figures["step_s"] > 0 and 0 <= figures["generator_occupancy"] <= 1
+        assert 0 <= figures["learner_idle_fraction"] < 1
+        assert figures["token_staleness_max"] <= (0 if mode == "sync" else 1)
+    assert "swaps: in-flight" in (tmp_path / "continuous" / "run.log").read_text()
+    lengths = [
+        json.loads(line)["response_length_mean"]
+        for line in (tmp_path / "continuous" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert all(0 < length <= 24 for length in lengths)

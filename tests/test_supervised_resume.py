@@ -65,6 +65,7 @@ def logged(out) -> list[dict]:
     return [{k: v for k, v in line.items() if k != "step_seconds"} for line in lines]
 
 
+@pytest.mark.slow  # compiles and trains two whole runs: left out of `make test-fast`
 @pytest.mark.parametrize("module", [sft, reward], ids=["sft", "reward"])
 def test_interrupted_stage_resumes_bit_exactly(module, tiny_llama, tmp_path):
     stage = "sft" if module is sft else "reward"

@@ -56,6 +56,7 @@ def mini_batch_config(output_dir, resume: bool = False):
     return config
 
 
+@pytest.mark.slow  # compiles and trains two whole runs: left out of `make test-fast`
 def test_resume_between_publishes_is_bit_exact(setup, tmp_path):
     """Checkpoint at update 2 (the generator serves version 0, the learner is at 2), stopped
     after publishing 4, resumed: the final train state equals an uninterrupted run's bit for

@@ -1,0 +1,201 @@
+"""Synchronous, one-step-off batch at a time, and continuous in-flight generation, side by side.
+
+    python bench/pipeline_modes.py --workload long-tail   # tiny Llama, heavy-tailed lengths
+    python bench/pipeline_modes.py --workload default     # the offline default (SmolLM2)
+    python bench/pipeline_modes.py --analyze-only         # recompute from the runs in --out
+
+The same workload runs once per mode (`--modes`), each a plain `python -m jaxrlhf.main` in
+`{out}/{mode}` (what an earlier invocation left there is deleted first), generator pinned to
+`--cpus-generator` and learner to `--cpus-learner` (disjoint cores stand for separate
+accelerators):
+
+- `sync`: max_staleness 0, drain swaps, one Generate call per batch;
+- `one-step-off`: max_staleness 1, drain swaps, one call per batch (the paper's async mode);
+- `continuous`: max_staleness 1, in-flight swaps (KV kept), `rollout.continuous` (prompt by
+  prompt, several batches in flight as the bound allows).
+
+Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to every run):
+
+- `default`: `configs/default.py` as `make run` trains it (SmolLM2-135M, arithmetic,
+  8 prompts x 4 samples): learner-bound.
+- `long-tail`: `configs/tiny.py` with each prompt's response budget drawn from a Pareto law of
+  shape 1.2 and minimum 8 tokens, capped at 192 (`rollout.length_law=pareto:1.2:8`; the tiny
+  random model almost never ends a response itself, so each length is its budget), 16 prompts
+  x 2 samples, capacity 32 sequences: generation-bound, a few long answers per batch.
+
+Per mode, means over steps `warmup+1 .. steps-1` of metrics.jsonl (the last step is left out:
+nothing is generated after it):
+
+- time per update: step_s, and the update rate relative to sync (sync's ÷ this mode's);
+- the ideal: (g + t) / max(g, t) from the sync run, where g = generate_s and t = step_s −
+  wait_for_generation_s (there generation and learning never overlap, so each is alone);
+  efficiency = rate ÷ ideal;
+- generator_occupancy (requests generating ÷ capacity), learner_idle_fraction (waiting for a
+  batch ÷ step), token staleness mean and max (over the window's steps).
+
+Prints one JSON line, then a table; writes the JSON to `{out}/results.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from jaxrlhf.experiments import (
+    config_file_for,
+    log_tail,
+    main_command,
+    placement_overrides,
+    read_run,
+    run_main,
+)
+from jaxrlhf.experiments.runner import parse_passthrough
+
+MODES = {  # name -> overrides
+    "sync": {"max_staleness": 0, "generator.swap_mode": "drain", "rollout.continuous": False},
+    "one-step-off": {
+        "max_staleness": 1, "generator.swap_mode": "drain", "rollout.continuous": False,
+    },
+    "continuous": {
+        "max_staleness": 1, "generator.swap_mode": "in-flight", "generator.in_flight_kv": "keep",
+        "rollout.continuous": True,
+    },
+}  # fmt: skip
+WORKLOADS = {  # name -> (model, overrides)
+    "default": ("smollm2", {}),
+    "long-tail": (
+        "tiny",
+        {
+            "rollout.length_law": "pareto:1.2:8",
+            "rollout.max_response_tokens": 192,
+            "rollout.prompts_per_batch": 16,
+            "generator.max_model_len": 256,
+            "generator.max_num_seqs": 32,
+        },
+    ),
+}
+FIGURES = (  # (label, key, how the window's steps are combined)
+    ("time per update (s)", "step_s", "mean"),
+    ("generation per batch (s)", "generate_s", "mean"),
+    ("generator occupancy", "generator_occupancy", "mean"),
+    ("learner idle fraction", "learner_idle_fraction", "mean"),
+    ("token staleness (mean)", "token_staleness_mean", "mean"),
+    ("token staleness (max)", "token_staleness_max", "max"),
+)
+
+
+def run_figures(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
+    last = max(r["step"] for r in records)
+    window = [r for r in records if warmup < r["step"] < last]
+    if not window:
+        raise ValueError(f"{len(records)} steps with --warmup={warmup}: run at least warmup + 2")
+    out: dict[str, float] = {}
+    for _, key, how in FIGURES:
+        values = [r[key] for r in window if key in r]
+        out[key] = (max(values) if how == "max" else sum(values) / len(values)) if values else 0.0
+    out["learner_s"] = sum(r["step_s"] - r["wait_for_generation_s"] for r in window) / len(window)
+    return out
+
+
+def compare(per_mode: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Each mode's update rate relative to sync, the ideal from the sync run, efficiency."""
+    sync = per_mode["sync"]
+    g, t = sync["generate_s"], sync["learner_s"]
+    ideal = (g + t) / max(g, t)
+    out: dict[str, Any] = {"ideal_speedup": ideal, "sync_generate_s": g, "sync_learner_s": t}
+    for mode, figures in per_mode.items():
+        rate = sync["step_s"] / figures["step_s"]
+        out[mode] = {**figures, "rate_vs_sync": rate, "efficiency": rate / ideal}
+    if "one-step-off" in per_mode and "continuous" in per_mode:
+        out["continuous_vs_one_step_off"] = (
+            per_mode["one-step-off"]["step_s"] / per_mode["continuous"]["step_s"]
+        )
+    return out
+
+
+def table(result: dict[str, Any], modes: list[str]) -> str:
+    lines = [f"{'':<28}" + "".join(f"{m:>14}" for m in modes)]
+    rows = [(label, key) for label, key, _ in FIGURES]
+    rows += [("update rate / sync", "rate_vs_sync"), ("efficiency (÷ ideal)", "efficiency")]
+    for label, key in rows:
+        lines.append(f"{label:<28}" + "".join(f"{result[m][key]:>14.3f}" for m in modes))
+    g, t = result["sync_generate_s"], result["sync_learner_s"]
+    lines.append(f"ideal speedup (g + t) / max(g, t) from sync: {result['ideal_speedup']:.3f} "
+                 f"(g {g:.2f} s, t {t:.2f} s)")  # fmt: skip
+    if "continuous_vs_one_step_off" in result:
+        lines.append(f"continuous / one-step-off update rate: "
+                     f"{result['continuous_vs_one_step_off']:.3f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def overrides_for(args, mode: str, folder: Path, workload: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "output_dir": str(folder),
+        "sync_every": 1,
+        "num_mini_batches": 0,
+        "total_steps": args.steps,
+        "checkpoint.every": args.steps,
+        "export": False,
+        "eval.every": 0,
+        "eval.at_start": False,
+        "eval.at_end": False,
+        **workload,
+        **MODES[mode],
+        **placement_overrides(args.model, args.cpus_generator, args.cpus_learner),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="long-tail", choices=list(WORKLOADS))
+    parser.add_argument("--model", default="", help="tiny, smollm2 or a folder (default: the "
+                        "workload's)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=10, help="updates per run")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out")
+    parser.add_argument("--modes", default=",".join(MODES), help="sync first, then any of the "
+                        "others")  # fmt: skip
+    parser.add_argument("--cpus-generator", default="1")
+    parser.add_argument("--cpus-learner", default="0")
+    parser.add_argument("--out", default="runs/pipeline_modes", help="folder for the runs")
+    parser.add_argument("--analyze-only", action="store_true")
+    args, extra = parser.parse_known_args()
+    passthrough = parse_passthrough(parser, extra)
+    model, workload = WORKLOADS[args.workload]
+    args.model = args.model or model
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if modes[:1] != ["sync"] or not set(modes) <= set(MODES):
+        parser.error(f"--modes: sync first, then any of {list(MODES)[1:]}")
+    out = Path(args.out).resolve()
+    per_mode: dict[str, dict[str, float]] = {}
+    for mode in modes:
+        folder = out / mode
+        log = folder / "run.log"
+        if not args.analyze_only:
+            shutil.rmtree(folder, ignore_errors=True)
+            print(f"[pipeline_modes] {args.workload}: {mode}, log: {log}", flush=True)
+            overrides = {**overrides_for(args, mode, folder, workload), **passthrough}
+            returncode, _ = run_main(main_command(config_file_for(args.model), overrides), log)
+            if returncode != 0:
+                sys.exit(f"the {mode} run failed ({returncode}):\n{log_tail(log)}")
+        records, _ = read_run(folder)
+        per_mode[mode] = run_figures(records, args.warmup)
+    result = {
+        "workload": args.workload,
+        "model": args.model,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "modes": modes,
+        "overrides": {**workload, **passthrough},
+        **compare(per_mode),
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    print(table(result, modes))
+
+
+if __name__ == "__main__":
+    main()
