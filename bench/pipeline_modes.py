@@ -19,9 +19,11 @@ Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to every run):
 - `default`: `configs/default.py` as `make run` trains it (SmolLM2-135M, arithmetic,
   8 prompts x 4 samples): learner-bound.
 - `long-tail`: `configs/tiny.py` with each prompt's response budget drawn from a Pareto law of
-  shape 1.2 and minimum 8 tokens, capped at 192 (`rollout.length_law=pareto:1.2:8`; the tiny
-  random model almost never ends a response itself, so each length is its budget), 16 prompts
-  x 2 samples, capacity 32 sequences: generation-bound, a few long answers per batch.
+  shape 1.0 and minimum 16 tokens, capped at 192 (`rollout.length_law=pareto:1.0:16`; the tiny
+  random model almost never ends a response itself, so each length is its budget), 8 prompts
+  x 2 samples, engine capacity 64 sequences: generation-bound, a batch lasting as long as its
+  longest answer (P(a budget reaches the cap) = 16/192, so half the batches have one at 192;
+  the median budget is 32).
 
 Per mode, means over steps `warmup+1 .. steps-1` of metrics.jsonl (the last step is left out:
 nothing is generated after it):
@@ -70,11 +72,11 @@ WORKLOADS = {  # name -> (model, overrides)
     "long-tail": (
         "tiny",
         {
-            "rollout.length_law": "pareto:1.2:8",
+            "rollout.length_law": "pareto:1.0:16",
             "rollout.max_response_tokens": 192,
-            "rollout.prompts_per_batch": 16,
+            "rollout.prompts_per_batch": 8,
             "generator.max_model_len": 256,
-            "generator.max_num_seqs": 32,
+            "generator.max_num_seqs": 64,
         },
     ),
 }
