@@ -77,6 +77,7 @@ from jaxrlhf.experiments import (
     placement_overrides,
     read_run,
     run_main,
+    timed_run_overrides,
 )
 from jaxrlhf.experiments.runner import parse_passthrough
 
@@ -266,18 +267,8 @@ def _cell(value: float | None) -> str:
 
 
 def run_overrides(args, mode: str, out: Path) -> dict[str, Any]:
-    overrides: dict[str, Any] = {
-        "output_dir": str(out / mode),
-        "max_staleness": MODES[mode],
-        "sync_every": 1,
-        "num_mini_batches": 0,
-        "total_steps": args.steps,
-        "checkpoint.every": args.steps,
-        "export": False,
-        # No held-out evaluation between steps: in the async run the producer would keep
-        # generating during it, outside any step's time (before and after training still run).
-        "eval.every": 0,
-    }
+    overrides = timed_run_overrides(out / mode, args.steps, evaluate=True)
+    overrides["max_staleness"] = MODES[mode]
     overrides |= placement_overrides(args.model, args.cpus_generator, args.cpus_learner)
     for flag, key in (
         ("prompts_per_batch", "rollout.prompts_per_batch"),

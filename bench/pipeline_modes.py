@@ -54,6 +54,7 @@ from jaxrlhf.experiments import (
     placement_overrides,
     read_run,
     run_main,
+    timed_run_overrides,
 )
 from jaxrlhf.experiments.runner import parse_passthrough
 
@@ -136,15 +137,7 @@ def table(result: dict[str, Any], modes: list[str]) -> str:
 
 def overrides_for(args, mode: str, folder: Path, workload: dict[str, Any]) -> dict[str, Any]:
     return {
-        "output_dir": str(folder),
-        "sync_every": 1,
-        "num_mini_batches": 0,
-        "total_steps": args.steps,
-        "checkpoint.every": args.steps,
-        "export": False,
-        "eval.every": 0,
-        "eval.at_start": False,
-        "eval.at_end": False,
+        **timed_run_overrides(folder, args.steps),
         **workload,
         **MODES[mode],
         **placement_overrides(args.model, args.cpus_generator, args.cpus_learner),

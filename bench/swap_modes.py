@@ -47,6 +47,7 @@ from jaxrlhf.experiments import (
     placement_overrides,
     read_run,
     run_main,
+    timed_run_overrides,
 )
 from jaxrlhf.experiments.runner import parse_passthrough
 
@@ -135,18 +136,10 @@ def table(result: dict[str, Any]) -> str:
 def overrides_for(args, variant: str, folder: Path) -> dict[str, Any]:
     swap_mode, in_flight_kv = VARIANTS[variant]
     overrides: dict[str, Any] = {
-        "output_dir": str(folder),
+        **timed_run_overrides(folder, args.steps),
         "generator.swap_mode": swap_mode,
         "generator.in_flight_kv": in_flight_kv,
         "max_staleness": args.max_staleness,
-        "sync_every": 1,
-        "num_mini_batches": 0,
-        "total_steps": args.steps,
-        "checkpoint.every": args.steps,
-        "export": False,
-        "eval.every": 0,
-        "eval.at_start": False,
-        "eval.at_end": False,
         "rollout.max_response_tokens": args.max_response_tokens,
         "rollout.prompts_per_batch": args.prompts_per_batch,
         "generator.max_model_len": 64 + args.max_response_tokens,

@@ -44,6 +44,25 @@ def placement_overrides(model: str, cpus_generator: str, cpus_learner: str) -> d
     return overrides
 
 
+def timed_run_overrides(folder: Path, steps: int, evaluate: bool = False) -> dict[str, Any]:
+    """The overrides of a run a bench times: `steps` updates into `folder`, weights published
+    after every one, a checkpoint only at the end, no export, and no held-out evaluation between
+    steps (in an async run the producer would keep generating during it, outside any step's
+    time); none before or after training either, unless `evaluate`."""
+    overrides: dict[str, Any] = {
+        "output_dir": str(folder),
+        "sync_every": 1,
+        "num_mini_batches": 0,
+        "total_steps": steps,
+        "checkpoint.every": steps,
+        "export": False,
+        "eval.every": 0,
+    }
+    if not evaluate:
+        overrides |= {"eval.at_start": False, "eval.at_end": False}
+    return overrides
+
+
 def load_config(config_file: str | Path, overrides: Mapping[str, Any] = ()):
     """The ConfigDict a run gets from `config_file` plus `--config.KEY=VALUE` overrides (dotted
     keys), with the shorthands resolved (`num_mini_batches`)."""

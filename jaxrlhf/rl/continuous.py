@@ -35,11 +35,11 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from jaxrlhf.rl.pool import GeneratorError, GeneratorPool
-from jaxrlhf.rl.rollout import PromptItem, Rollout, Sample
+from jaxrlhf.rl.rollout import ProducerBase, PromptItem, Rollout, Sample
 
 
 @dataclasses.dataclass
@@ -61,49 +61,21 @@ class _Batch:
                        time.perf_counter() - self.started)  # fmt: skip
 
 
-class ContinuousProducer:
-    """Generates batches start_batch, start_batch+1, ... prompt by prompt (module docstring).
+class ContinuousProducer(ProducerBase):
+    """Generates batches start_batch, start_batch+1, ... prompt by prompt (module docstring);
+    `snapshot(version)` for a checkpoint, `close()`."""
 
-    The learner's side is `RolloutProducer`'s: `next()` for each batch in order,
-    `publish(version)` once the generators serve new weights, `snapshot(version)` for a
-    checkpoint, `close()`.
-    """
-
-    def __init__(
-        self,
-        pool: GeneratorPool,
-        prompts_for_batch: Callable[[int], list[PromptItem]],
-        sampling: dict[str, Any],
-        max_staleness: int,
-        start_batch: int,
-        published_version: int,
-        end_batch: int,
-        base_version: int = 0,
-        generation_seed: int | None = None,
-        pending: Sequence[Rollout] = (),
-        log: Callable[[str], None] | None = None,
-    ):
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    def __init__(self, pool: GeneratorPool, *args, log: Callable[[str], None] | None = None,
+                 **kwargs):  # fmt: skip
+        super().__init__(*args, **kwargs)
         self._pool = pool
-        self._prompts_for_batch = prompts_for_batch
-        self._sampling = dict(sampling)
         self._n = self._sampling.get("n", 1)
-        self.max_staleness = max_staleness
-        self.base_version = base_version
-        self.generation_seed = generation_seed
         self._log = log or (lambda message: None)
-        self._ready: collections.deque[Rollout] = collections.deque(pending)
-        self._next_batch = start_batch + len(self._ready)  # the next batch to start
         self._next_delivery = self._next_batch  # the next batch to hand over once complete
-        self._end_batch = end_batch
-        self._published = published_version
         self._batches: dict[int, _Batch] = {}
         # (batch, prompt) calls to start, in schedule order; a failed call goes back in front.
         self._queue: collections.deque[tuple[int, int]] = collections.deque()
         self._calls: set[Any] = set()  # running gRPC calls (cancelled by `close`)
-        self._cond = threading.Condition()
-        self._error: BaseException | None = None
         self._stop = threading.Event()
         self.retries = 0  # calls started again after their replica failed
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -113,34 +85,18 @@ class ContinuousProducer:
         self._thread = threading.Thread(target=self._run, name="continuous-producer", daemon=True)
         self._thread.start()
 
-    def required_version(self, batch_index: int) -> int:
-        return self.base_version + max(0, batch_index - self.max_staleness)
-
     # --- the learner's side ------------------------------------------------------------------
-
-    def publish(self, version: int) -> None:
-        with self._cond:
-            self._published = max(self._published, version)
-            self._cond.notify_all()
 
     def wait_admitted(self) -> None:
         """Nothing to wait for: which version a prompt starts on is not fixed by the schedule
         in this mode (the bound alone is), so a publish never waits for admissions."""
-
-    def next(self, timeout: float | None = None) -> Rollout:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._ready or self._error, timeout):
-                raise TimeoutError(f"no rollout batch within {timeout}s")
-            if self._ready:
-                return self._ready.popleft()
-            raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
 
     def snapshot(self, version: int, timeout: float | None = None) -> list[Rollout]:
         """The complete batches not trained on yet, in order (module docstring); waits for
         nothing."""
         with self._cond:
             if self._error is not None:
-                raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
+                raise self._failure()
             return list(self._ready)
 
     def in_flight(self) -> list[int]:
@@ -161,11 +117,8 @@ class ContinuousProducer:
     # --- the producer thread -----------------------------------------------------------------
 
     def _fail(self, error: BaseException) -> None:
-        with self._cond:
-            if self._error is None:
-                self._error = error
-            self._stop.set()
-            self._cond.notify_all()
+        self._stop.set()
+        super()._fail(error)
 
     def _next_call(self) -> tuple[int, int] | None:
         """The next (batch, prompt) to start, once its batch's bound allows it; None to stop."""

@@ -115,16 +115,14 @@ class GenerationBackend(Protocol):
         fixed."""
 
 
-class RolloutProducer:
-    """Generates batches start_batch, start_batch+1, ... in a background thread.
-
-    The learner calls `next()` for each batch in order and `publish(version)` after the
-    generator serves new weights.
-    """
+class ProducerBase:
+    """What the learner sees of a producer (this module's and `jaxrlhf.rl.continuous`'s):
+    batches start_batch, start_batch+1, ... handed over in order by `next()`, `publish(version)`
+    once the generators serve new weights, the staleness rule, and a failure of the producer
+    thread re-raised to the learner."""
 
     def __init__(
         self,
-        backend: GenerationBackend,
         prompts_for_batch: Callable[[int], list[PromptItem]],
         sampling: dict[str, Any],
         max_staleness: int,
@@ -137,7 +135,6 @@ class RolloutProducer:
     ):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        self._backend = backend
         self._prompts_for_batch = prompts_for_batch
         self._sampling = dict(sampling)
         self.max_staleness = max_staleness
@@ -146,15 +143,10 @@ class RolloutProducer:
         # `pending`: batches generated before a checkpoint and not trained on yet (restored).
         self._ready: collections.deque[Rollout] = collections.deque(pending)
         self._next_batch = start_batch + len(self._ready)
-        self._admitted = self._next_batch  # batches before this one are admitted
         self._end_batch = end_batch
         self._published = published_version
         self._cond = threading.Condition()
         self._error: BaseException | None = None
-        self._stopped = False
-        self._failed = False
-        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
-        self._thread.start()
 
     def required_version(self, batch_index: int) -> int:
         """The run's versions start at `base_version` (the version serving when it began)."""
@@ -166,6 +158,39 @@ class RolloutProducer:
             self._published = max(self._published, version)
             self._cond.notify_all()
 
+    def next(self, timeout: float | None = None) -> Rollout:
+        """The next batch in order; re-raises a failure of the producer thread."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready or self._error, timeout):
+                raise TimeoutError(f"no rollout batch within {timeout}s")
+            if self._ready:
+                return self._ready.popleft()
+            raise self._failure()
+
+    def _failure(self) -> RuntimeError:
+        error = RuntimeError(f"rollout generation failed: {self._error}")
+        error.__cause__ = self._error
+        return error
+
+    def _fail(self, error: BaseException) -> None:
+        """The producer thread failed: the learner's next call re-raises it."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+
+class RolloutProducer(ProducerBase):
+    """Generates one batch at a time, each one Generate call, in a background thread."""
+
+    def __init__(self, backend: GenerationBackend, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._backend = backend
+        self._admitted = self._next_batch  # batches before this one are admitted
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self._thread.start()
+
     def wait_admitted(self) -> None:
         """Blocks until every batch that may run on the published weights has been admitted.
 
@@ -176,7 +201,7 @@ class RolloutProducer:
             self._cond.wait_for(
                 lambda: (
                     self._stopped
-                    or self._failed
+                    or self._error is not None
                     or self._admitted >= self._end_batch
                     or self.required_version(self._admitted) > self._published
                 )
@@ -186,15 +211,6 @@ class RolloutProducer:
         with self._cond:
             self._admitted = max(self._admitted, index + 1)
             self._cond.notify_all()
-
-    def next(self, timeout: float | None = None) -> Rollout:
-        """The next batch in order; re-raises a failure of the producer thread."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._ready or self._failed, timeout):
-                raise TimeoutError(f"no rollout batch within {timeout}s")
-            if self._ready:
-                return self._ready.popleft()
-            raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
 
     def snapshot(self, version: int, timeout: float | None = None) -> list[Rollout]:
         """The generated batches not trained on yet, for a checkpoint at learner `version`.
@@ -214,12 +230,13 @@ class RolloutProducer:
 
             def complete() -> bool:
                 done = self._next_batch
-                return self._failed or done >= self._end_batch or self.required_version(done) > held
+                failed = self._error is not None
+                return failed or done >= self._end_batch or self.required_version(done) > held
 
             if not self._cond.wait_for(complete, timeout):
                 raise TimeoutError(f"the batches of a checkpoint not generated within {timeout}s")
-            if self._failed:
-                raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
+            if self._error is not None:
+                raise self._failure()
             return list(self._ready)
 
     def close(self) -> None:
@@ -266,10 +283,7 @@ class RolloutProducer:
                     self._next_batch += 1
                     self._cond.notify_all()
         except BaseException as error:  # noqa: BLE001 - handed to the learner thread
-            with self._cond:
-                self._error = error
-                self._failed = True
-                self._cond.notify_all()
+            self._fail(error)
 
 
 def check_complete(index: int, samples: Sequence[Sample], prompts: int, n: int) -> None:
