@@ -5,7 +5,7 @@
 
 The learner is N `jax.distributed` processes (gloo) with one mesh over all their devices, the
 model's parameters sharded over it (FSDP). Publishing goes as in the RLHF loop
-(`jaxrlhf.rl.trainer.publish`): every process gathers one HF tensor at a time (collectives),
+(`jaxrlhf.rl.publisher.publish`): every process gathers one HF tensor at a time (collectives),
 the driver streams each to a real generator service in 4 MiB chunks (`transport="stream"`), and
 the service swaps the new version in. Each process samples its resident set size (VmRSS) every
 2 ms during the publish; its baseline is the RSS just before (its own shards are in it: fake CPU

@@ -1,5 +1,7 @@
-"""The asynchronous RLHF loop (the learner process).
+"""The asynchronous RLHF loop (the learner process), `run_rlhf`:
 
+    begin: resume from a checkpoint, or start (Publisher: the versions)
+    evaluate before training (Evaluator)
     for each step:
         rollout  <- producer (generated ≤ max_staleness versions ago, tagged with its version)
         scores   <- task reward (+ missing-EOS penalty)
@@ -8,13 +10,16 @@
         publish  <- every `sync_every` updates, stream the weights to the generator(s)
         log, checkpoint
 
+    evaluate after training, summarize, export
+
 Generation happens in the generator service(s) while this process trains; the producer thread
-only waits on gRPC. Checkpoints hold everything needed to continue exactly (see `resume`).
+(`rl/rollout.py`, or `rl/continuous.py`) only waits on gRPC; the publisher (`rl/publisher.py`)
+sends the weights. Checkpoints hold everything needed to continue (see `begin`).
+docs/ARCHITECTURE.md shows the pieces and the flow of a version, a batch and the weights.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -26,13 +31,14 @@ import jax
 import numpy as np
 
 from jaxrlhf.checkpointing import Checkpointer
-from jaxrlhf.distributed import broadcast, driven_streams, is_driver
-from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, save_pretrained
+from jaxrlhf.distributed import broadcast, is_driver
+from jaxrlhf.models import save_pretrained
 from jaxrlhf.rl.continuous import ContinuousProducer
 from jaxrlhf.rl.eval_cache import EvaluationCache, folder_digest
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.metrics import MetricsWriter
 from jaxrlhf.rl.pool import GeneratorPool
+from jaxrlhf.rl.publisher import Publisher
 from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer, parse_length_law
 from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import make_mesh
@@ -143,76 +149,151 @@ def standard_error(scores: np.ndarray) -> float:
     return float(np.std(scores) / np.sqrt(len(scores))) if len(scores) else float("nan")
 
 
-def publish(
-    learner: Learner,
-    pool: GeneratorPool | None,
-    version: int,
-    dtype: str | None,
-    rollback=False,
-    rejoining_only: bool = False,
-):
-    """Publishes the policy as `version` (to the replicas that rejoin only, with
-    `rejoining_only`); every process gathers its tensors (one at a time), the driver sends them
-    (`distributed.driven_streams`). Returns the driver's PublishStats."""
-    policy_params = learner.state.params["policy"]
-    specs = hf_tensor_specs(learner.policy, policy_params, dtype)
-    return driven_streams(
-        lambda: iter_hf_tensors(learner.policy, policy_params, dtype),
-        lambda tensors: pool.publish_weights(tensors, len(specs), version,
-                                             allow_rollback=rollback, specs=specs,
-                                             rejoining_only=rejoining_only),
+@dataclasses.dataclass
+class RunStart:
+    """Where a run begins: its publisher (the versions), the first step, the batches a
+    checkpoint held, the evaluations before training it recorded, and whether the generators
+    serve the model folder's own weights (`same_start`: its evaluation may be cached)."""
+
+    publisher: Publisher
+    step: int = 0
+    pending: list[Rollout] = dataclasses.field(default_factory=list)
+    at_start: dict[str, float] = dataclasses.field(default_factory=dict)
+    same_start: bool = False
+
+
+def begin(cfg, learner: Learner, pool, model_path: Path, checkpointer, log) -> RunStart:
+    """Resumes from the newest checkpoint (`config.resume`) or starts afresh. Versions are the
+    generators': a fresh run starts at the version serving (or publishes its own initial
+    weights as the next one, when the generators serve anything else)."""
+    dtype = cfg.rollout.weight_sync_dtype or cfg.model.dtype
+    serving = same_start = None
+    if is_driver():
+        statuses = pool.wait_until_serving()
+        serving = max(status.policy_version for status in statuses)
+        same_start = serving == 0 and all(
+            Path(status.model).expanduser().resolve() == Path(model_path).resolve()
+            for status in statuses
+        )
+    serving, same_start = broadcast((serving, same_start))
+    if cfg.resume and checkpointer.latest_step() is not None:
+        learner.state, meta = checkpointer.restore(None, learner.state)
+        version = meta["policy_version"]
+        published = meta.get("published_version", version)
+        # The generator may have kept serving weights published after the checkpoint: roll it
+        # back to the checkpoint's weights under the checkpoint's version. Between two
+        # publishes (sync_every > 1) the checkpoint lacks the served weights: every batch that
+        # runs on them is in `pending`, and the next due publish rolls the generator back.
+        publisher = Publisher(learner, pool, dtype, meta["base_version"], version, published,
+                              rollback=published != version)  # fmt: skip
+        if not publisher.rollback:
+            publisher.send(rollback=True)
+        log(f"resumed from step {meta['step']} (policy version {version})")
+        pending = [Rollout.from_json(r) for r in meta["pending_rollouts"]]
+        return RunStart(publisher, meta["step"], pending, dict(meta.get("evaluated_at_start", {})))
+    if cfg.resume:
+        log("resume requested but no checkpoint found: starting fresh")
+    if same_start:
+        return RunStart(Publisher(learner, pool, dtype, serving, serving, serving), same_start=True)
+    # The generator serves other weights (an earlier run's, or another model folder): publish
+    # this run's initial ones.
+    publisher = Publisher(learner, pool, dtype, serving + 1, serving + 1, serving + 1)
+    publisher.send()
+    return RunStart(publisher)
+
+
+def make_producer(cfg, task: Task, pool: GeneratorPool, start: RunStart):
+    """The driver's rollout producer: batch at a time, or continuous (`rollout.continuous`)."""
+    kind = ContinuousProducer if cfg.rollout.continuous else RolloutProducer
+    return kind(
+        pool,
+        prompts_for_batch_fn(task, cfg.rollout.prompts_per_batch, cfg.seed,
+                             cfg.rollout.length_law, cfg.rollout.max_response_tokens),
+        _sampling(cfg),
+        max_staleness=cfg.max_staleness,
+        start_batch=start.step,
+        published_version=start.publisher.published,
+        end_batch=cfg.total_steps,
+        base_version=start.publisher.base_version,
+        generation_seed=cfg.seed if cfg.rollout.seeded else None,
+        pending=start.pending,
     )  # fmt: skip
 
 
-REJOIN_POLL_SECONDS = 1.0
+class Evaluator:
+    """Greedy evaluations of the held-out splits (validation "eval", and "test" with
+    `eval.test`) on the weights the generators serve, rejoining replicas meanwhile; never
+    counted as a step (left out of the progress bar's rate and ETA)."""
+
+    def __init__(self, cfg, task: Task, publisher: Publisher, writer: MetricsWriter | None):
+        self.cfg, self.task, self.publisher, self.writer = cfg, task, publisher, writer
+        self.name = "accuracy" if task.verifiable else "reward"
+        self.splits = {"eval": task.eval_prompts}
+        if cfg.eval.test and task.test_prompts:
+            self.splits["test"] = task.test_prompts
+
+    def key(self, split: str) -> str:
+        """The metric's name: eval_accuracy (validation), test_accuracy (or _reward)."""
+        return f"{split}_{self.name}"
+
+    def scores(self, split: str, cache: EvaluationCache | None = None) -> np.ndarray:
+        with self.writer.paused() if self.writer is not None else contextlib.nullcontext():
+            return evaluate_greedy(self.publisher.pool, self.task, self.splits[split],
+                                   self.cfg.rollout.max_response_tokens, self.publisher.learner,
+                                   cache, self.publisher.in_background)  # fmt: skip
+
+    def before_training(self, model_path: Path | None, log) -> dict[str, float]:
+        """Every split's mean score; `model_path`: the generators serve its own weights, whose
+        responses may be cached (the driver's; None elsewhere)."""
+        cache = None
+        if model_path is not None:
+            cache = start_evaluation_cache(self.publisher.pool, model_path)
+        at_start = {}
+        for split in self.splits:
+            at_start[split] = float(np.mean(self.scores(split, cache)))
+            log(f"{_SPLIT_NAMES[split]} greedy {self.name} before training: "
+                f"{at_start[split]:.3f}")  # fmt: skip
+        if cache is not None and cache.hits:
+            log(f"(responses of the unchanged model to the unchanged prompts read from "
+                f"{cache.root}: delete it to generate them again)")  # fmt: skip
+        return at_start
+
+    def during(self, step: int) -> dict[str, float]:
+        """The evaluations due after `step` (`eval.every`, `eval.test_every`; the end of the
+        run is evaluated by `after_training`)."""
+        last = step == self.cfg.total_steps
+        out = {}
+        for split, every in (("eval", self.cfg.eval.every), ("test", self.cfg.eval.test_every)):
+            due = every and step % every == 0 and not (last and self.cfg.eval.at_end)
+            if due and split in self.splits:
+                out[self.key(split)] = float(np.mean(self.scores(split)))
+        return out
+
+    def after_training(self) -> dict[str, float]:
+        out = {}
+        for split in self.splits:
+            scores = self.scores(split)
+            out[f"{self.key(split)}_end"] = float(np.mean(scores))
+            out[f"{self.key(split)}_end_stderr"] = standard_error(scores)
+            out[f"{split}_prompts"] = len(scores)
+        return out
 
 
-def receive_batch(learner, producer, pool, version: int, sync_dtype) -> Rollout:
-    """The next batch (the driver's, on every process), rejoining replicas while it is not
-    there (`wait_rejoining`)."""
-    poll = None if producer is None else lambda timeout: producer.next(timeout=timeout)
-    return wait_rejoining(poll, learner, pool, version, sync_dtype)
-
-
-def pending_rollouts(learner, producer, pool, version: int, sync_dtype) -> list[Rollout]:
-    """The batches a checkpoint at learner `version` holds (`RolloutProducer.snapshot`; the
-    driver's, on every process), rejoining replicas while they are being generated: a batch
-    that waits for a live replica completes only once one has the weights again."""
-    poll = None if producer is None else lambda timeout: producer.snapshot(version, timeout)
-    return wait_rejoining(poll, learner, pool, version, sync_dtype)
-
-
-def in_background(fn, learner, pool, version: int, sync_dtype):
-    """fn() run by the driver (None elsewhere) in a thread, its result on every process,
-    rejoining replicas meanwhile (`wait_rejoining`): an evaluation waits for generation too."""
-    if fn is None:
-        return wait_rejoining(None, learner, pool, version, sync_dtype)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evaluation") as thread:
-        future = thread.submit(fn)
-        return wait_rejoining(future.result, learner, pool, version, sync_dtype)
-
-
-def wait_rejoining(poll, learner, pool, version: int, sync_dtype):
-    """`poll(timeout)`'s result (the driver's poll; None on the other processes), broadcast to
-    every process; `poll` raises TimeoutError while there is none. Until then, replicas that
-    answer again get the learner's current weights as their own `version` (every process takes
-    part in that publish), also between two publishes (sync_every > 1), when that version is
-    ahead of the one the others serve: no host copy of the published weights is kept for them,
-    and what they then sample is newer than the others' (within the staleness bound), each
-    token tagged with its true version. Only the learner publishes, so whatever it waits for
-    that needs generation (a batch, a checkpoint's batches, an evaluation) must rejoin too."""
-    while True:
-        event = None
-        if poll is not None:  # the driver
-            try:
-                event = ("done", poll(REJOIN_POLL_SECONDS))
-            except TimeoutError:
-                event = ("rejoin", None) if pool.needs_weights() else ("wait", None)
-        kind, result = broadcast(event)
-        if kind == "done":
-            return result
-        if kind == "rejoin":
-            publish(learner, pool, version, sync_dtype, rejoining_only=True)
+def save_checkpoint(checkpointer, step: int, cfg, publisher: Publisher, producer, at_start):
+    """The learner's state, with what a resumed run needs besides: the versions, the
+    evaluations before training, and the batches generated on weights the checkpoint does not
+    hold and not trained on yet (none at the end)."""
+    held = [] if step == cfg.total_steps else publisher.checkpoint_batches(producer)
+    meta = {
+        "step": step,
+        "policy_version": publisher.version,
+        "published_version": publisher.published,
+        "base_version": publisher.base_version,
+        "seed": cfg.seed,
+        "evaluated_at_start": at_start,
+        "pending_rollouts": [r.to_json() for r in held],
+    }
+    checkpointer.save(step, publisher.learner.state, meta, force=True)
 
 
 def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, log) -> RunResult:
@@ -221,177 +302,74 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
     Over several processes (`jaxrlhf.distributed`) every process runs this; only the driver has
     a `pool` (None elsewhere), runs the rollout producer and writes files.
     """
-    cfg = config
-    driver = is_driver()
-    out = Path(cfg.output_dir)
+    cfg, driver, out = config, is_driver(), Path(config.output_dir)
     mesh = make_mesh(tuple(cfg.mesh.shape))
     learner = Learner(cfg, model_path, mesh)
     log(f"learner mesh {dict(mesh.shape)} over {jax.process_count()} process(es)")
-    k = cfg.rollout.samples_per_prompt
-    learner.spec.check(k, has_value_model=learner.value is not None)
+    learner.spec.check(cfg.rollout.samples_per_prompt, has_value_model=learner.value is not None)
     checkpointer = Checkpointer(out / "checkpoints", cfg.checkpoint.every)
-    sync_dtype = cfg.rollout.weight_sync_dtype or cfg.model.dtype
-    # Versions are the generator's: a run starts at the version serving when it begins, and
-    # step i's update publishes base_version + i + 1.
-    serving = same_start = None
-    if driver:
-        statuses = pool.wait_until_serving()
-        serving = max(status.policy_version for status in statuses)
-        same_start = serving == 0 and all(
-            Path(status.model).expanduser().resolve() == Path(model_path).resolve()
-            for status in statuses
-        )
-    serving, same_start = broadcast((serving, same_start))
-    start_step, base_version, version = 0, serving, serving
-    # The version the generators serve for this run (last published): below `version` between
-    # two publishes when sync_every > 1.
-    published = version
-    rollback = False  # whether the next publish may go to replicas serving a newer version
-    pending: list[Rollout] = []
-    resumed_start: dict[str, float] = {}  # evaluations before training, kept in checkpoints
-    if cfg.resume and checkpointer.latest_step() is not None:
-        learner.state, meta = checkpointer.restore(None, learner.state)
-        start_step, base_version = meta["step"], meta["base_version"]
-        version = meta["policy_version"]
-        published = meta.get("published_version", version)
-        pending = [Rollout.from_json(r) for r in meta["pending_rollouts"]]
-        resumed_start = dict(meta.get("evaluated_at_start", {}))
-        log(f"resumed from step {start_step} (policy version {version})")
-        # The generator may have kept serving weights published after the checkpoint: roll it
-        # back to the checkpoint's weights under the checkpoint's version. Between two
-        # publishes (sync_every > 1) the checkpoint lacks the served weights: every batch that
-        # runs on them is in `pending`, and the next due publish rolls the generator back.
-        rollback = published != version
-        if not rollback:
-            publish(learner, pool, version, sync_dtype, rollback=True)
-    else:
-        if cfg.resume:
-            log("resume requested but no checkpoint found: starting fresh")
-        if not same_start:
-            # The generator serves other weights (an earlier run's, or another model folder):
-            # publish this run's initial ones.
-            base_version = version = published = serving + 1
-            publish(learner, pool, version, sync_dtype)
+    start = begin(cfg, learner, pool, model_path, checkpointer, log)
+    publisher = start.publisher
     writer = (
-        MetricsWriter(out, cfg.total_steps, start_step, resume=start_step > 0) if driver else None
+        MetricsWriter(out, cfg.total_steps, start.step, resume=start.step > 0) if driver else None
     )
-    eval_tokens = cfg.rollout.max_response_tokens
-    name = "accuracy" if task.verifiable else "reward"
-    metric = f"eval_{name}"  # the validation split's; test_{name}: the test split's
-    splits = {"eval": task.eval_prompts}
-    if cfg.eval.test and task.test_prompts:
-        splits["test"] = task.test_prompts
-
-    def evaluate(split: str, cache: EvaluationCache | None = None) -> np.ndarray:
-        def wait(generate):  # with the learner's weights of now, should a replica rejoin
-            return in_background(generate, learner, pool, version, sync_dtype)
-
-        # Not a step: left out of the progress bar's rate and ETA.
-        with writer.paused() if writer is not None else contextlib.nullcontext():
-            return evaluate_greedy(pool, task, splits[split], eval_tokens, learner, cache, wait)
-
-    at_start = resumed_start
-    if cfg.eval.at_start and start_step == 0:
-        # The generators serve the model folder's own weights: its responses may be cached.
-        cache = start_evaluation_cache(pool, model_path) if driver and same_start else None
-        for split in splits:
-            at_start[split] = float(np.mean(evaluate(split, cache)))
-            log(f"{_SPLIT_NAMES[split]} greedy {name} before training: {at_start[split]:.3f}")
-        if cache is not None and cache.hits:
-            log(f"(responses of the unchanged model to the unchanged prompts read from "
-                f"{cache.root}: delete it to generate them again)")  # fmt: skip
-    producer = None
-    if driver:
-        producer = (ContinuousProducer if cfg.rollout.continuous else RolloutProducer)(
-        pool,
-        prompts_for_batch_fn(task, cfg.rollout.prompts_per_batch, cfg.seed,
-                             cfg.rollout.length_law, cfg.rollout.max_response_tokens),
-        _sampling(cfg),
-        max_staleness=cfg.max_staleness,
-        start_batch=start_step,
-        published_version=published,
-        end_batch=cfg.total_steps,
-        base_version=base_version,
-        generation_seed=cfg.seed if cfg.rollout.seeded else None,
-        pending=pending,
-    )  # fmt: skip
-    started = time.perf_counter()
-    records = []
+    evaluator = Evaluator(cfg, task, publisher, writer)
+    at_start = start.at_start
+    if cfg.eval.at_start and start.step == 0:
+        at_start = evaluator.before_training(model_path if driver and start.same_start else None,
+                                             log)  # fmt: skip
+    producer = make_producer(cfg, task, pool, start) if driver else None
     fleet = FleetWatch(pool) if pool is not None else None
+    started, records = time.perf_counter(), []
     try:
-        for step in range(start_step, cfg.total_steps):
-            record = train_one_step(learner, producer, pool, task, cfg, version, base_version,
-                                    sync_dtype, fleet, rollback=rollback)  # fmt: skip
-            version = record["policy_version"]
-            if publish_due(version - base_version, cfg):
-                published, rollback = version, False
-            last = step + 1 == cfg.total_steps
-            for split, every in (("eval", cfg.eval.every), ("test", cfg.eval.test_every)):
-                # (the end of the run is evaluated below)
-                due = every and (step + 1) % every == 0 and not (last and cfg.eval.at_end)
-                if due and split in splits:
-                    key = metric if split == "eval" else f"test_{name}"
-                    record[key] = float(np.mean(evaluate(split)))
+        for step in range(start.step + 1, cfg.total_steps + 1):
+            record = train_one_step(learner, producer, publisher, task, cfg, fleet)
+            record |= evaluator.during(step)
             if writer is not None:
-                writer.write(step + 1, record)
-            records.append({"step": step + 1, **record})
-            if last or checkpointer.due(step + 1):
-                # Batches generated on older weights and not trained on yet (async mode).
-                held = [] if last else pending_rollouts(learner, producer, pool, version,
-                                                        sync_dtype)  # fmt: skip
-                meta = {
-                    "step": step + 1,
-                    "policy_version": version,
-                    "published_version": published,
-                    "base_version": base_version,
-                    "seed": cfg.seed,
-                    "evaluated_at_start": at_start,
-                    "pending_rollouts": [r.to_json() for r in held],
-                }  # fmt: skip
-                checkpointer.save(step + 1, learner.state, meta, force=True)
+                writer.write(step, record)
+            records.append({"step": step, **record})
+            if step == cfg.total_steps or checkpointer.due(step):
+                save_checkpoint(checkpointer, step, cfg, publisher, producer, at_start)
     finally:
         if driver:
             producer.close()
             writer.close()
         checkpointer.close()
-    summary = {
-        "steps": cfg.total_steps,
-        "policy_version": version,
-        "wall_seconds": time.perf_counter() - started,
-        f"{metric}_start": at_start.get("eval"),
-    }
-    if "test" in splits:
-        summary[f"test_{name}_start"] = at_start.get("test")
+    summary = {"steps": cfg.total_steps, "policy_version": publisher.version,
+               "wall_seconds": time.perf_counter() - started}  # fmt: skip
+    summary |= {f"{evaluator.key(split)}_start": at_start.get(split) for split in evaluator.splits}
     if cfg.eval.at_end:
-        for split in splits:
-            scores = evaluate(split)
-            prefix = metric if split == "eval" else f"test_{name}"
-            summary[f"{prefix}_end"] = float(np.mean(scores))
-            summary[f"{prefix}_end_stderr"] = standard_error(scores)
-            summary[f"{split}_prompts"] = len(scores)
-    if records:
-        tail = records[-min(len(records), 5) :]
-        for key in ("reward_mean", "kl", "staleness_mean"):
-            if all(key in r for r in tail):
-                summary[f"{key}_last5"] = float(np.mean([r[key] for r in tail]))
+        summary |= evaluator.after_training()
+    summary |= finish(cfg, learner, model_path, records, summary, at_start, driver)
+    if driver:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return RunResult(summary, records)
+
+
+def finish(cfg, learner, model_path, records, summary, at_start, driver) -> dict[str, Any]:
+    """The summary's last parts: means over the last 5 steps, the training plot (the driver's),
+    the Hugging Face export (`config.export`)."""
+    out, extra = Path(cfg.output_dir), {}
+    tail = records[-5:]
+    for key in ("reward_mean", "kl", "staleness_mean"):
+        if tail and all(key in r for r in tail):
+            extra[f"{key}_last5"] = float(np.mean([r[key] for r in tail]))
     if records and driver:
         from jaxrlhf.report import plot_training
 
         points = []
-        if metric == "eval_accuracy":  # the plot's eval panel: before, during (records), after
-            end, eval_start = summary.get(f"{metric}_end"), at_start.get("eval")
-            points = [(0, eval_start)] if eval_start is not None else []
+        if "eval_accuracy_start" in summary:  # the plot's eval panel: before, during, after
+            start, end = at_start.get("eval"), summary.get("eval_accuracy_end")
+            points = [(0, start)] if start is not None else []
             points += [(records[-1]["step"], end)] if end is not None else []
-        summary["plot"] = str(plot_training(out / "metrics.jsonl", out / "training.png",
-                                            eval_points=points, x="time"))  # fmt: skip
+        extra["plot"] = str(plot_training(out / "metrics.jsonl", out / "training.png",
+                                          eval_points=points, x="time"))  # fmt: skip
     if cfg.export:
         folder = save_pretrained(learner.policy, learner.state.params["policy"],
                                  out / "hf_export", tokenizer_from=model_path,
                                  write=driver)  # fmt: skip
-        summary["export_dir"] = str(folder)
-    if driver:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return RunResult(summary, records)
+        extra["export_dir"] = str(folder)
+    return extra
 
 
 class FleetWatch:
@@ -453,11 +431,6 @@ def staleness_metrics(rollout: Rollout, learner_version: int) -> dict[str, float
     }
 
 
-def publish_due(updates: int, cfg) -> bool:
-    """Whether the run publishes after its `updates`-th update: every `sync_every`, and last."""
-    return updates % cfg.sync_every == 0 or updates == cfg.total_steps
-
-
 def samples_returned(rollout: Rollout) -> list[list]:
     """[prompt id, sample index] of each sample, in the order the generators returned them:
     what came back, to check against the schedule (`prompt_ids`) for a lost or doubled sample."""
@@ -465,34 +438,15 @@ def samples_returned(rollout: Rollout) -> list[list]:
 
 
 def train_one_step(
-    learner: Learner,
-    producer,
-    pool,
-    task,
-    cfg,
-    version,
-    base_version,
-    sync_dtype,
-    fleet: FleetWatch | None = None,
-    rollback: bool = False,
+    learner: Learner, producer, publisher: Publisher, task, cfg, fleet: FleetWatch | None = None
 ) -> dict[str, Any]:
-    """One update of the loop: wait for the next batch, learn from it, publish when due (with
-    `rollback`, to replicas that may serve a newer version: the first publish after resuming
-    between two publishes)."""
+    """One update of the loop: wait for the next batch, learn from it, publish when due."""
     t0 = time.perf_counter()
-    rollout = receive_batch(learner, producer, pool, version, sync_dtype)
+    rollout = publisher.next_batch(producer)
     wait_s = time.perf_counter() - t0
     learned = learner.learn(rollout, task)
-    version += 1
-    sync_s = 0.0
-    if publish_due(version - base_version, cfg):
-        if producer is not None:
-            producer.wait_admitted()
-        published = time.perf_counter()
-        stats = publish(learner, pool, version, sync_dtype, rollback=rollback)
-        if producer is not None:
-            producer.publish(version)
-        sync_s = stats.seconds if stats is not None else time.perf_counter() - published
+    sync_s = publisher.after_update(cfg, producer)
+    version = publisher.version
     staleness = staleness_metrics(rollout, version - 1)
     step_s = time.perf_counter() - t0
     return {

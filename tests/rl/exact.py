@@ -37,7 +37,8 @@ def timed(key: str) -> bool:
     """Whether a record's figure depends on the clock (seconds, rates) or on the generators'
     load (`generator_*`), or names a version (numbered from the serving one when a run starts):
     every other figure of two exact runs must be equal."""
-    return key.endswith("_s") or key.startswith("generator_") or key == "policy_version"
+    clocked = key.endswith("_s") or key in ("learner_idle_fraction", "generation_tokens_per_s")
+    return clocked or key.startswith("generator_") or key == "policy_version"
 
 
 def records(output_dir: Path) -> list[dict]:

@@ -215,7 +215,7 @@ def test_replicas_rejoin_between_two_publishes_with_the_learners_weights_and_ver
     from configs.tiny import get_config
     from jaxrlhf.models import iter_hf_tensors
     from jaxrlhf.rl.learner import Learner
-    from jaxrlhf.rl.trainer import in_background, pending_rollouts, publish, receive_batch
+    from jaxrlhf.rl.publisher import Publisher
     from jaxrlhf.sharding import make_mesh
 
     config = get_config()
@@ -226,18 +226,20 @@ def test_replicas_rejoin_between_two_publishes_with_the_learners_weights_and_ver
     try:
         # The last publish, version 3, fails on the only replica (which is left NOT_SERVING) ...
         recording.engine.fail_swaps = 1
-        publish(learner, pool, 3, dtype)
+        publisher = Publisher(learner, pool, dtype, base_version=0, version=3, published=3)
+        publisher.send()
         # ... and the learner takes one more update before it answers again: version 4, not
         # published (sync_every = 2). Its weights are no longer those of version 3.
         policy = jax.tree.map(lambda p: p * 1.5, learner.state.params["policy"])
         learner.state = learner.state.replace(params={**learner.state.params, "policy": policy})
+        publisher.version = 4
         producer = WaitingProducer(pool)
         if waiting_for == "batch":
-            got = receive_batch(learner, producer, pool, 4, dtype)
+            got = publisher.next_batch(producer)
         elif waiting_for == "checkpoint":
-            got = pending_rollouts(learner, producer, pool, 4, dtype)
+            got = publisher.checkpoint_batches(producer)
         else:
-            got = in_background(producer.generated, learner, pool, 4, dtype)
+            got = publisher.in_background(producer.generated)
         assert got == "generated"
     finally:
         pool.close()
