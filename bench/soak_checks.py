@@ -32,7 +32,7 @@ RESUME_METRICS = ("loss", "reward_mean", "score_mean", "kl", "staleness_mean", "
                   "eos_rate", "response_length_mean")  # fmt: skip
 RTOL, ATOL = 1e-5, 1e-6
 FLEET_COUNTERS = ("generator_failures", "generator_failovers", "generator_rejoins",
-                  "generator_restarts")  # fmt: skip
+                  "generator_restarts", "generator_publish_retries")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -230,8 +230,13 @@ def test_the_loop_survives_a_replica(replicas, tmp_path, failpoint, kind):
     assert run.returncode == 0, output[-4000:]
     assert fired.is_set(), f"{kind}: the failpoint never fired"
     records = check_run(tmp_path, output)
-    assert totals(records, "generator_failures") >= 1, kind
-    assert totals(records, "generator_rejoins") >= 1, (kind, output[-3000:])
+    if kind == "killed in UpdateWeights" and totals(records, "generator_failures") == 0:
+        # The update that ended UNAVAILABLE is sent once more, and the standby had taken the
+        # address by then: it took the update whole, and the replica never failed.
+        assert totals(records, "generator_publish_retries") >= 1, (kind, output[-3000:])
+    else:
+        assert totals(records, "generator_failures") >= 1, kind
+        assert totals(records, "generator_rejoins") >= 1, (kind, output[-3000:])
     if "Generate" in kind:
         assert totals(records, "generator_failovers") >= 1, kind
     assert records[-1]["generators_live"] == 2

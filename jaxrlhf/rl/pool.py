@@ -198,12 +198,13 @@ class GeneratorPool:
         return f"{len(live)} of {len(self.replicas)} replica(s) live"
 
     def metrics(self) -> dict[str, int]:
-        """generators_live now; failures, failovers, restarts, rejoins since the pool began."""
+        """generators_live now; failures, failovers, restarts, rejoins, publish_retries since the
+        pool began."""
         with self._cond:
             live = sum(r.state == LIVE for r in self.replicas)
             counts = dict(self.counters)
         return {"generators_live": live, **{k: counts.get(k, 0) for k in
-                ("failures", "failovers", "restarts", "rejoins")}}  # fmt: skip
+                ("failures", "failovers", "restarts", "rejoins", "publish_retries")}}  # fmt: skip
 
     def occupancy(self) -> dict[str, tuple[float, float, int]]:
         """(idle seconds, request-seconds, capacity) since start of each live replica
@@ -511,6 +512,11 @@ class GeneratorPool:
                             self._fail(replica, failures[replica.target])
                 if not pending or attempt > self.retries:
                     break
+                with self._cond:
+                    self.counters["publish_retries"] += len(pending)
+                again = ", ".join(r.target for r in pending)
+                self.log(f"weight update {policy_version} ended UNAVAILABLE at {again}: "
+                         "sending it once more")  # fmt: skip
                 time.sleep(delay)
                 delay = min(delay * 2, 30.0)
             for replica in pending:

@@ -377,7 +377,7 @@ class FleetWatch:
     the previous step (or the start of the loop): whatever happens between two steps (an
     evaluation, a checkpoint) counts in the next, and nothing is lost."""
 
-    COUNTERS = ("failures", "failovers", "restarts", "rejoins")
+    COUNTERS = ("failures", "failovers", "restarts", "rejoins", "publish_retries")
 
     def __init__(self, pool: GeneratorPool):
         self.pool = pool

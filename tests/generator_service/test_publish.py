@@ -80,6 +80,7 @@ def test_a_replica_dying_mid_stream_is_failed_by_name_while_the_others_swap(clie
     assert states == {client.target: "live", dying.address: "failed"}
     assert "UNAVAILABLE" in errors[dying.address]
     assert counted["generators_live"] == 1 and counted["failures"] == 1
+    assert counted["publish_retries"] == 1  # UNAVAILABLE once: sent again, then failed
     assert elapsed < 60
     status = client.status()
     assert status.policy_version == version and status.serving
@@ -94,6 +95,7 @@ def test_a_publish_that_no_replica_takes_is_an_error():
     try:
         with pytest.raises(GeneratorError, match=r"reached none of 1 generator\(s\)"):
             publish(pool, tensors, 1)
+        assert pool.metrics()["publish_retries"] == 1
     finally:
         pool.close()
         dying.stop()

@@ -71,7 +71,7 @@ class JaxGenerator:
 
     def metrics(self) -> dict[str, int]:
         return {"generators_live": 1, "failures": 0, "failovers": 0, "restarts": 0,
-                "rejoins": 0}  # fmt: skip
+                "rejoins": 0, "publish_retries": 0}  # fmt: skip
 
     def occupancy(self) -> dict[str, tuple[float, float, int]]:
         return {}  # generates in the learner's thread: no idle time of its own to report
