@@ -274,6 +274,10 @@ class GeneratorEngine:
         self._calls = VersionGate()  # "in-flight" mode: seeded calls alone, without swaps
         # The engine's own limit on requests generating at once.
         self.max_num_seqs: int = self._llm.vllm_config.scheduler_config.max_num_seqs
+        # vLLM 0.32's CPU backend fails a step (the engine dies: "CPU Generator does not use
+        # offset") when a request with its own seed is in a prefill that chunked prefill split
+        # (seen on SmolLM2 with ~40 requests at once); short prompts alone never hit it.
+        self.per_request_seeds = not current_platform.is_cpu()
         self.occupancy = Occupancy(self.max_num_seqs)
 
     async def start(self) -> None:
@@ -298,8 +302,15 @@ class GeneratorEngine:
         return self._gate.writer_pending
 
     def validate(self, prompts: Sequence[tuple[str, Sequence[int]]], sampling: Sampling) -> None:
-        """Raises GenerateError(INVALID_ARGUMENT) naming the first problem found."""
+        """Raises GenerateError(INVALID_ARGUMENT) naming the first problem found, or
+        FAILED_PRECONDITION for what this engine cannot do."""
         validate_request(prompts, sampling, self.vocab_size, self.max_model_len)
+        if sampling.seed_per_request and not self.per_request_seeds:
+            raise GenerateError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "seed_per_request is not available on vLLM's CPU backend (a request with its "
+                "own seed in a chunked prefill kills the engine); send `seed` alone",
+            )
 
     def _sampling_params(
         self, sampling: Sampling, seed: int | None = None, max_tokens: int | None = None

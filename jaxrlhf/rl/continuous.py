@@ -19,9 +19,12 @@ and batches in order. A call that fails with its replica (down, hung, gone) is s
 from scratch on another (its partial samples dropped): no sample is lost or doubled. Every
 sample's oldest token is checked against its batch's bound.
 
-Seeded runs (`rollout.seeded`) seed each request on its own (GenerateRequest.seed_per_request):
+With `generation_seed`, each request is seeded on its own (GenerateRequest.seed_per_request):
 prompt p of batch i draws from a seed of (seed, i, p) whatever replica, batching or retry it
-meets, without a call ever running alone.
+meets, without a call ever running alone. The loop does not use it yet: vLLM 0.32's CPU
+backend dies on a seeded request whose prefill chunked prefill splits ("CPU Generator does not
+use offset", seen on the default workload), and the service refuses seed_per_request there; so
+`rollout.continuous` runs generate unseeded.
 
 A checkpoint holds the batches that are complete and not trained on yet; batches half
 generated are generated again after resuming, from the weights served then. Exact resume is

@@ -215,7 +215,9 @@ def make_producer(cfg, task: Task, pool: GeneratorPool, start: RunStart):
         published_version=start.publisher.published,
         end_batch=cfg.total_steps,
         base_version=start.publisher.base_version,
-        generation_seed=cfg.seed if cfg.rollout.seeded else None,
+        # (continuous: unseeded for now: per-request seeds kill vLLM 0.32's CPU engine,
+        # jaxrlhf.rl.continuous)
+        generation_seed=cfg.seed if cfg.rollout.seeded and not cfg.rollout.continuous else None,
         pending=start.pending,
     )  # fmt: skip
 
