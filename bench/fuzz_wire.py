@@ -84,7 +84,8 @@ ALLOWED = {
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.DATA_LOSS,
     },
-    "Generate": {grpc.StatusCode.INVALID_ARGUMENT},
+    # FAILED_PRECONDITION: seed_per_request on the CPU backend.
+    "Generate": {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION},
     "GetStatus": set(),
 }
 # Bytes that are not the method's message get INVALID_ARGUMENT from every method.
@@ -271,12 +272,13 @@ def generate_requests(vocab_size: int, max_model_len: int):
         min_tokens=st.one_of(st.integers(0, 16), st.integers(0, 2**32 - 1)),
     )
     return st.builds(
-        lambda prompts, sampling, seed: generator_pb2.GenerateRequest(
-            prompts=prompts, sampling=sampling, seed=seed
+        lambda prompts, sampling, seed, per_request: generator_pb2.GenerateRequest(
+            prompts=prompts, sampling=sampling, seed=seed, seed_per_request=per_request
         ),
         st.lists(prompt, max_size=3),
         sampling,
         st.one_of(st.none(), st.integers(0, UINT64_MAX)),
+        st.booleans(),
     )
 
 
@@ -648,7 +650,7 @@ class WireFuzzer:
     def _generate(self, request, call: Callable[[], Any]) -> None:
         method = "Generate"
         prompts, sampling = request.prompts, request.sampling
-        work = len(prompts) * sampling.n * sampling.max_tokens
+        work = sampling.n * sum(p.max_tokens or sampling.max_tokens for p in prompts)
         try:
             responses = call()
             completions = []
@@ -674,9 +676,10 @@ class WireFuzzer:
             raise FuzzFailure(f"Generate returned samples {got}, expected {sorted(expected)}")
         for completion in completions:
             tokens = list(completion.token_ids)
+            prompt = request.prompts[completion.prompt_index]
             problems = [
-                completion.prompt_id != request.prompts[completion.prompt_index].id,
-                not 0 < len(tokens) <= sampling.max_tokens,
+                completion.prompt_id != prompt.id,
+                not 0 < len(tokens) <= (prompt.max_tokens or sampling.max_tokens),
                 any(not 0 <= t < self.vocab_size for t in tokens),
                 len(completion.logprobs) != len(tokens),
                 set(completion.token_policy_versions) != {self.version},
