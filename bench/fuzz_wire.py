@@ -543,6 +543,8 @@ class WireFuzzer:
 
         metadata = self.client.metadata
         future = self._update.future(requests(), timeout=CALL_TIMEOUT, metadata=metadata)
+        # A server that answers early (a bad chunk) ends the call before the chunks are sent.
+        future.add_done_callback(lambda _: sent.set())
         sent.wait(CALL_TIMEOUT)
         future.cancel()
         release.set()

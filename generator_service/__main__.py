@@ -22,6 +22,8 @@ from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
 
 # Refuses to start an engine when set (its value says who forbids it): `make test-fast` sets it.
 NO_ENGINE_ENV = "JAXRLHF_NO_ENGINE"
+# vLLM's CPU backend: how many of the allowed cores its compute threads leave free.
+CPU_RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 # What to change when the engine cannot start (out of memory is the usual cause).
 START_HINT = (
     "If memory ran short: on CPU pass a smaller --kv-cache-gib (default: a quarter of the free "
@@ -65,6 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "PipelineRL) or recompute it with the new weights at every swap",
     )
     parser.add_argument("--seed", type=int, default=0, help="engine sampling seed")
+    parser.add_argument(
+        "--cpu-reserved-cores",
+        type=int,
+        default=None,
+        help="CPU backend: cores kept free of the engine's compute threads (default: vLLM's, one "
+        "per engine process on x86); 0 lets the engine compute on every core it may run on",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument(
         "--block-size",
@@ -127,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         # Set by `make test-fast`: a test that starts a generator there lacks its engine fixture.
         print(f"error: {NO_ENGINE_ENV} is set: {os.environ[NO_ENGINE_ENV]}", file=sys.stderr)
         return 3
+    if args.cpu_reserved_cores is not None:
+        if args.cpu_reserved_cores < 0:
+            print(f"error: --cpu-reserved-cores={args.cpu_reserved_cores}: must be >= 0",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        # Read by vLLM's CPU platform when its engine process binds its OpenMP threads.
+        os.environ[CPU_RESERVED_ENV] = str(args.cpu_reserved_cores)
     lead_process_group()
     stop_with_parent()
     logging.basicConfig(

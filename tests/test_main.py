@@ -131,9 +131,10 @@ def test_generators_in_another_swap_mode_are_refused():
     [
         ("rollout.length_law", "pareto:2", "config.rollout.length_law: length law 'pareto:2'"),
         ("generator.capacity", -1, "config.generator.capacity=-1: must be >= 0"),
+        ("generator.cpu_reserved_cores", -2, "config.generator.cpu_reserved_cores=-2: must be"),
     ],
 )
-def test_continuous_generation_settings_are_checked(key, value, message):
+def test_generator_settings_are_checked(key, value, message):
     from jaxrlhf.config import ConfigError, base_config, validate
 
     config = base_config()
@@ -141,3 +142,14 @@ def test_continuous_generation_settings_are_checked(key, value, message):
     config[section][name] = value
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(config)
+
+
+def test_a_started_generator_computes_on_every_core_unless_told():
+    from jaxrlhf.config import base_config
+    from jaxrlhf.rl.service import engine_args
+
+    gen = base_config().generator
+    args = engine_args(gen)
+    assert args[args.index("--cpu-reserved-cores") + 1] == "0"
+    gen.cpu_reserved_cores = -1  # vLLM's own default
+    assert "--cpu-reserved-cores" not in engine_args(gen)

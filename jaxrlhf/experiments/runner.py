@@ -201,18 +201,15 @@ class Runner:
     def _start_generator(self, overrides: dict[str, Any]):
         """One service for every run, with the runs' engine settings."""
         from jaxrlhf.models.paths import resolve_model
-        from jaxrlhf.rl.service import start_server
+        from jaxrlhf.rl.service import engine_args, start_server
 
         config = load_config(self.config_file, overrides)
         gen = config.generator
-        engine_args = ["--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
-                       "--seed", str(gen.seed), "--swap-mode", gen.swap_mode,
-                       "--in-flight-kv", gen.in_flight_kv]  # fmt: skip
         cpus = [int(c) for c in self.cpus_generator.split(",")] if self.cpus_generator else None
         log = self.out / ("generator.log" if not self.generator_restarts
                           else f"generator-{self.generator_restarts}.log")  # fmt: skip
         print(f"[{self.name}] starting a generator service (log: {log})", flush=True)
-        return start_server(resolve_model(config.model.path), log, engine_args, cpus=cpus)
+        return start_server(resolve_model(config.model.path), log, engine_args(gen), cpus=cpus)
 
     def close(self) -> None:
         if self.server is not None:

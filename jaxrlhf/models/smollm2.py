@@ -36,10 +36,14 @@ def gguf_path() -> Path:
 
 def smollm2_path(target: str | os.PathLike | None = None) -> Path:
     """A Hugging Face folder of SmolLM2-135M-Instruct, converted from the GGUF on first use."""
+    from jaxrlhf.models.paths import built_once
+
     folder = Path(target) if target else cache_dir() / "models" / "SmolLM2-135M-Instruct"
-    marker = folder / ".complete"
-    if marker.exists():
-        return folder
+    return built_once(folder, _convert)
+
+
+def _convert(folder: Path) -> None:
+    """Writes the packaged GGUF as a Hugging Face folder (float32, tied head) into `folder`."""
     import torch
     import transformers
 
@@ -48,7 +52,6 @@ def smollm2_path(target: str | os.PathLike | None = None) -> Path:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
-    folder.mkdir(parents=True, exist_ok=True)
     model.config.tie_word_embeddings = True
     # The weights are already dequantised; the GGUF origin leaves a quantizer (which refuses to
     # save) and a quantization_config (which would make vLLM look for a quantised checkpoint).
@@ -60,5 +63,3 @@ def smollm2_path(target: str | os.PathLike | None = None) -> Path:
     config = json.loads(config_file.read_text())
     config.pop("quantization_config", None)
     config_file.write_text(json.dumps(config, indent=2))
-    marker.write_text("")
-    return folder

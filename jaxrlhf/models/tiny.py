@@ -149,17 +149,21 @@ def make_tiny_model(
     `*ForSequenceClassification` layout (one label), the layout of reward and value models.
     Returns the folder. An existing complete folder is reused.
     """
+    from jaxrlhf.models.paths import built_once
+
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {sorted(TINY_ARCHS)}")
+    return built_once(
+        path,
+        lambda folder: _write_tiny_model(folder, arch, seed, sequence_classification, overrides),
+    )
+
+
+def _write_tiny_model(path: Path, arch, seed, sequence_classification, overrides) -> None:
     import torch
     import transformers
 
-    path = Path(path)
-    marker = path / ".complete"
-    if marker.exists():
-        return path
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny arch {arch!r}; known: {sorted(TINY_ARCHS)}")
     config_cls_name, kwargs = TINY_ARCHS[arch]
-    path.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_tokenizer(path)
     kwargs = dict(kwargs, **overrides)
     config = getattr(transformers, config_cls_name)(
@@ -193,5 +197,3 @@ def make_tiny_model(
         "pad_token_id": tokenizer.pad_token_id,
     }
     (path / "generation_config.json").write_text(json.dumps(generation_config))
-    marker.write_text("")
-    return path

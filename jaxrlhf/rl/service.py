@@ -73,6 +73,18 @@ class ServerProcess:
             raise
 
 
+def engine_args(gen) -> list[str]:
+    """`python -m generator_service` options from a config's `generator` section, for a
+    generator a run or an experiment starts itself."""
+    return [
+        "--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
+        "--seed", str(gen.seed), "--swap-mode", gen.swap_mode, "--in-flight-kv", gen.in_flight_kv,
+        *(["--max-num-seqs", str(gen.max_num_seqs)] if gen.max_num_seqs else []),
+        *(["--cpu-reserved-cores", str(gen.cpu_reserved_cores)]
+          if gen.cpu_reserved_cores >= 0 else []),
+    ]  # fmt: skip
+
+
 def start_server(
     model_dir: str | Path,
     log_path: str | Path,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jaxrlhf.distributed import is_driver
 from jaxrlhf.rl.pool import GeneratorPool, Timeouts
-from jaxrlhf.rl.service import start_server
+from jaxrlhf.rl.service import engine_args, start_server
 from jaxrlhf.rl.tasks import build_task
 from jaxrlhf.rl.trainer import run_rlhf
 
@@ -26,12 +26,7 @@ def generator_pool(config, model_path: Path, log):
     if gen.addresses:
         targets = [a.strip() for a in gen.addresses.split(",") if a.strip()]
     else:
-        args = [
-            "--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
-            "--seed", str(gen.seed), "--swap-mode", gen.swap_mode,
-            "--in-flight-kv", gen.in_flight_kv,
-            *(["--max-num-seqs", str(gen.max_num_seqs)] if gen.max_num_seqs else []),
-        ]  # fmt: skip
+        args = engine_args(gen)
         cpus = [int(c) for c in gen.cpus.split(",")] if gen.cpus else None
 
         def start(target: str = "") -> str:

@@ -44,10 +44,15 @@ def test_default_start_and_no_orphans_after_sigkill(tiny_llama, tmp_path, monkey
 
 @pytest.mark.slow
 def test_a_server_whose_engine_dies_exits(tiny_llama, tmp_path):
+    # With no core reserved, the engine computes on every core this process may run on.
     server = start_server(tiny_llama, tmp_path / "server.log",
-                          ["--dtype", "float32", "--max-model-len", "256"],
+                          ["--dtype", "float32", "--max-model-len", "256",
+                           "--cpu-reserved-cores", "0"],
                           env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
     try:
+        started = server.log_path.read_text()
+        assert f"core ids={sorted(os.sched_getaffinity(0))}" in started, started[-3000:]
+        assert "reserved_cpus=[]" in started
         below = descendants(server.process.pid)
         engine = [p for p in below if "generator_service.reaper" not in _command(p[0])]
         assert engine, [_command(pid) for pid, _ in below]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from jaxrlhf_wire.chunks import iter_weight_chunks
 from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2
@@ -47,9 +48,16 @@ def test_weight_chunks_split_by_byte_offset_and_keep_bfloat16():
     np.testing.assert_array_equal(np.frombuffer(data, ml_dtypes.bfloat16).reshape(3, 4), embed)
 
 
-def test_cli_refuses_a_non_loopback_address_without_a_token():
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--host", "0.0.0.0"], "requires a shared secret"),
+        (["--cpu-reserved-cores", "-1"], "--cpu-reserved-cores=-1: must be >= 0"),
+    ],
+)
+def test_cli_refuses_bad_options_before_starting(args, message):
     result = subprocess.run(
-        [sys.executable, "-m", "generator_service", "--model", "unused", "--host", "0.0.0.0"],
+        [sys.executable, "-m", "generator_service", "--model", "unused", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -57,7 +65,7 @@ def test_cli_refuses_a_non_loopback_address_without_a_token():
         timeout=120,
     )
     assert result.returncode == 2
-    assert "requires a shared secret" in result.stderr
+    assert message in result.stderr
 
 
 def test_weight_chunks_from_a_one_pass_iterator_with_a_given_count():
