@@ -38,11 +38,16 @@ $(STUBS): protos/generator.proto jaxrlhf_wire/build.py $(STAMP)
 run: install
 	$(BIN)/python -m jaxrlhf.main --config=configs/default.py $(ARGS)
 
+# Two workers (pytest-xdist): most engine tests keep one core busy. Tests sharing a module's or
+# package's server run on one worker (tests/conftest.py); XDIST=0 runs them in this process.
+XDIST ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(XDIST) --dist loadgroup
+
 test: install
-	$(BIN)/python -m pytest -q --timeout=900 $(ARGS)
+	$(PYTEST) --timeout=900 $(ARGS)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 bench: install
 	$(BIN)/python bench/learner_step.py

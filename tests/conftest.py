@@ -21,10 +21,36 @@ import pytest  # noqa: E402
 ENGINE_FIXTURES = frozenset({"generator_server", "start_generator_server", "own_generator"})
 
 
+# Widest first: tests sharing a fixture of these scopes run on one xdist worker.
+SHARED_SCOPES = ("package", "module", "class")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if ENGINE_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+        group = shared_fixture_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    # Whole jobs and engines first, so that over two workers (`make test`: -n 2) the last
+    # tests handed out are short ones, not a two-minute job the other worker waits for.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def shared_fixture_group(item) -> str | None:
+    """Where the widest package-, module- or class-scoped fixture `item` uses is defined: the
+    tests sharing one such fixture (a server of a module or package) go to one worker under
+    `--dist loadgroup`, which starts it once; the others are spread one by one."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    found = [
+        (SHARED_SCOPES.index(definition.scope), definition.baseid)
+        for definitions in info.name2fixturedefs.values()
+        for definition in definitions
+        if definition.scope in SHARED_SCOPES
+    ]
+    return min(found)[1] or item.nodeid.split("::")[0] if found else None
 
 
 def pytest_configure(config):
