@@ -25,6 +25,7 @@ ENGINE_FIXTURES = frozenset({"generator_server", "start_generator_server", "own_
 SHARED_SCOPES = ("package", "module", "class")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if ENGINE_FIXTURES & set(item.fixturenames):
