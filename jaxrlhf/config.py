@@ -170,8 +170,7 @@ def base_config() -> ml_collections.ConfigDict:
         cpus="",  # e.g. "1": pin a locally started generator to these cores
         # A locally started generator on CPU: cores vLLM keeps free of its compute threads
         # (-1 = vLLM's default, one). 0: greedy evaluation, which runs while the learner waits,
-        # uses every core (1.75x faster on 2 cores, README "make run"); the loop's steps were
-        # no slower beside the learner.
+        # uses every core (twice as fast on 2 cores; README, "The generator service").
         cpu_reserved_cores=0,
         # How weights reach the generators: "auto" = through a shared-memory file when every
         # generator runs on this host, else streamed over gRPC; "stream"; "shared".
