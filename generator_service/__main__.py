@@ -24,6 +24,9 @@ from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
 NO_ENGINE_ENV = "JAXRLHF_NO_ENGINE"
 # vLLM's CPU backend: how many of the allowed cores its compute threads leave free.
 CPU_RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+# The default of --kv-cache-gib for every server started in this environment (the test suite
+# sets it: a tiny model needs a few MB of KV cache, not the usual GB per engine).
+KV_CACHE_ENV = "JAXRLHF_KV_CACHE_GIB"
 # What to change when the engine cannot start (out of memory is the usual cause).
 START_HINT = (
     "If memory ran short: on CPU pass a smaller --kv-cache-gib (default: a quarter of the free "
@@ -48,8 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-cache-gib",
         type=float,
         default=None,
-        help="the KV cache's size (default on CPU: a quarter of the free memory, 0.5-4 GiB; on "
-        "GPUs: what --gpu-memory-utilization leaves)",
+        help=f"the KV cache's size; it takes precedence over vLLM's VLLM_CPU_KVCACHE_SPACE "
+        f"(default: ${KV_CACHE_ENV} if set, else on CPU a quarter of the free memory, "
+        "0.5-4 GiB, and on GPUs what --gpu-memory-utilization leaves)",
     )
     parser.add_argument(
         "--swap-mode",
@@ -136,6 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         # Set by `make test-fast`: a test that starts a generator there lacks its engine fixture.
         print(f"error: {NO_ENGINE_ENV} is set: {os.environ[NO_ENGINE_ENV]}", file=sys.stderr)
         return 3
+    if args.kv_cache_gib is None and os.environ.get(KV_CACHE_ENV):
+        try:
+            args.kv_cache_gib = float(os.environ[KV_CACHE_ENV])
+        except ValueError:
+            print(f"error: {KV_CACHE_ENV}={os.environ[KV_CACHE_ENV]!r} is not a number of GiB",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
+        print(f"error: a KV cache of {args.kv_cache_gib} GiB: it must be > 0", file=sys.stderr)
+        return 2
     if args.cpu_reserved_cores is not None:
         if args.cpu_reserved_cores < 0:
             print(f"error: --cpu-reserved-cores={args.cpu_reserved_cores}: must be >= 0",

@@ -78,8 +78,9 @@ class EngineConfig:
     # Where updates are staged before the engine loads them (RAM-backed if possible; see
     # weights.py). None: /dev/shm when writable, else the system temp folder.
     staging_dir: str | None = None
-    # The KV cache's size in bytes. None: on CPU, `default_cpu_kv_cache_bytes()` (unless
-    # VLLM_CPU_KVCACHE_SPACE says otherwise); on GPUs, gpu_memory_utilization decides.
+    # The KV cache's size in bytes (it takes precedence over VLLM_CPU_KVCACHE_SPACE). None: on
+    # CPU, `default_cpu_kv_cache_bytes()` (unless VLLM_CPU_KVCACHE_SPACE says otherwise); on
+    # GPUs, gpu_memory_utilization decides.
     kv_cache_bytes: int | None = None
     # See the module docstring.
     swap_mode: str = "drain"
@@ -230,6 +231,9 @@ class GeneratorEngine:
         if kv_cache_bytes is None and current_platform.is_cpu():
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 kv_cache_bytes = default_cpu_kv_cache_bytes()
+        elif kv_cache_bytes is not None and os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None):
+            # vLLM's CPU worker would take its variable over the size asked for here.
+            logger.info("VLLM_CPU_KVCACHE_SPACE is ignored: the KV cache's size is given")
         self.kv_cache_bytes = kv_cache_bytes
         if kv_cache_bytes is not None:
             logger.info("KV cache: %.2f GiB", kv_cache_bytes / GIB)

@@ -4,13 +4,24 @@ XLA_FLAGS must be set before JAX is imported anywhere, hence at the top of this 
 """
 
 import os
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every generator service the suite starts (fixtures, whole runs, benches) gets a quarter GiB of
+# KV cache: ~260k tokens of the tiny Llama, ~5.8k of SmolLM2 in float32. vLLM's CPU default (1 GiB
+# and more per engine) ran two workers' servers out of the machine's 24 GB.
+os.environ.setdefault("JAXRLHF_KV_CACHE_GIB", "0.25")
+# JAX's persistent compilation cache, shared by both workers and every process they start: the
+# suite's many whole runs of the tiny config compile the same programs
+# (tests/test_supervised_resume.py: 34 s with an empty cache, 24 s with a warm one).
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "jax")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -36,6 +47,26 @@ def pytest_collection_modifyitems(config, items):
     # Whole jobs and engines first, so that over two workers (`make test`: -n 2) the last
     # tests handed out are short ones, not a two-minute job the other worker waits for.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before an xdist worker sends its collection
+def pytest_collection_finish(session):
+    """Under `--dist loadgroup`, xdist's worker renames each grouped test `<id>@<group>`, and
+    the scheduler keeps a group on one worker by that suffix. A pytest whose node ids xdist
+    cannot rename (9.2) left every test ungrouped without a word, and the module servers of
+    test_fleet.py then started on both workers at once and ran the machine out of memory."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    ungrouped = [item.nodeid for item in session.items
+                 if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]  # fmt: skip
+    if ungrouped:
+        message = (
+            f"pytest-xdist did not apply the xdist_group of {len(ungrouped)} tests (first: "
+            f"{ungrouped[0]}): this pytest and pytest-xdist do not work together; install the "
+            "versions in requirements.txt"
+        )
+        os.write(2, f"\n{message}\n".encode())  # the worker's stderr is the run's own
+        raise pytest.UsageError(message)
 
 
 def shared_fixture_group(item) -> str | None:

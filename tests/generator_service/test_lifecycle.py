@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_default_start_and_no_orphans_after_sigkill(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the documented command
+    monkeypatch.delenv("JAXRLHF_KV_CACHE_GIB", raising=False)
     server = start_server(tiny_llama, tmp_path / "server.log")  # --model PATH --port 0 only
     try:
         log = server.log_path.read_text()
@@ -53,6 +54,9 @@ def test_a_server_whose_engine_dies_exits(tiny_llama, tmp_path):
         started = server.log_path.read_text()
         assert f"core ids={sorted(os.sched_getaffinity(0))}" in started, started[-3000:]
         assert "reserved_cpus=[]" in started
+        # The size the suite asks for (tests/conftest.py) wins over vLLM's own variable.
+        assert "VLLM_CPU_KVCACHE_SPACE is ignored" in started
+        assert f"Explicitly set ({os.environ['JAXRLHF_KV_CACHE_GIB']}/" in started
         below = descendants(server.process.pid)
         engine = [p for p in below if "generator_service.reaper" not in _command(p[0])]
         assert engine, [_command(pid) for pid, _ in below]
