@@ -202,8 +202,10 @@ def begin(cfg, learner: Learner, pool, model_path: Path, checkpointer, log) -> R
     return RunStart(publisher)
 
 
-def make_producer(cfg, task: Task, pool: GeneratorPool, start: RunStart):
-    """The driver's rollout producer: batch at a time, or continuous (`rollout.continuous`)."""
+def make_producer(cfg, task: Task, pool: GeneratorPool, start: RunStart, log=None):
+    """The driver's rollout producer: batch at a time, or continuous (`rollout.continuous`,
+    which logs each prompt it starts again after its replica failed)."""
+    extra = {"log": log} if cfg.rollout.continuous else {}
     kind = ContinuousProducer if cfg.rollout.continuous else RolloutProducer
     return kind(
         pool,
@@ -219,6 +221,7 @@ def make_producer(cfg, task: Task, pool: GeneratorPool, start: RunStart):
         # jaxrlhf.rl.continuous)
         generation_seed=cfg.seed if cfg.rollout.seeded and not cfg.rollout.continuous else None,
         pending=start.pending,
+        **extra,
     )  # fmt: skip
 
 
@@ -320,7 +323,7 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
     if cfg.eval.at_start and start.step == 0:
         at_start = evaluator.before_training(model_path if driver and start.same_start else None,
                                              log)  # fmt: skip
-    producer = make_producer(cfg, task, pool, start) if driver else None
+    producer = make_producer(cfg, task, pool, start, log) if driver else None
     fleet = FleetWatch(pool) if pool is not None else None
     started, records = time.perf_counter(), []
     try:

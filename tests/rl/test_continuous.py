@@ -139,7 +139,8 @@ def test_a_replica_dying_mid_batch_loses_and_doubles_no_sample(die_after):
     its unfinished prompts start again on B whole; every batch has each (prompt, sample) once."""
     a = FakeGenerator(capacity=8, tag=1.0, die_after=die_after, workers=16)
     b = FakeGenerator(capacity=8, tag=2.0, workers=16)
-    pool, producer = start([a, b], max_staleness=3, end_batch=4)
+    logged = []
+    pool, producer = start([a, b], max_staleness=3, end_batch=4, log=logged.append)
     try:
         batches = [producer.next(WAIT_S) for _ in range(4)]
         metrics = pool.metrics()
@@ -149,6 +150,7 @@ def test_a_replica_dying_mid_batch_loses_and_doubles_no_sample(die_after):
         a.stop()
         b.stop()
     assert a.dead and producer.retries >= 1 and metrics["failures"] == 1
+    assert len([m for m in logged if "is started again" in m]) == producer.retries, logged
     for rollout in batches:
         check_complete(rollout.batch_index, rollout.samples, PROMPTS, N)
         for p in range(PROMPTS):
