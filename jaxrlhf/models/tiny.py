@@ -165,10 +165,9 @@ def _write_tiny_model(path: Path, arch, seed, sequence_classification, overrides
 
     config_cls_name, kwargs = TINY_ARCHS[arch]
     tokenizer = make_tiny_tokenizer(path)
-    kwargs = dict(kwargs, **overrides)
+    kwargs = {"max_position_embeddings": 256, **kwargs, **overrides}
     config = getattr(transformers, config_cls_name)(
         vocab_size=len(tokenizer),
-        max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
