@@ -17,6 +17,19 @@ from jaxrlhf.models.paths import resolve_model
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 
 
+def pin_process(cpus: set[int]) -> None:
+    """Pins every thread of this process to `cpus`, and so every thread started later.
+
+    `os.sched_setaffinity(0, ...)` pins the calling thread alone: XLA's compute threads, started
+    when JAX first ran, kept every core, and a bench's learner "pinned" to core 0 computed on
+    the generator's core as well."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile
+
+
 def main(argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax and JAX log every save at INFO
@@ -47,7 +60,7 @@ def main(argv) -> None:
 
     log(f"stage {config.stage}; outputs in {Path(config.output_dir).resolve()}")
     if config.learner_cpus:
-        os.sched_setaffinity(0, {int(c) for c in config.learner_cpus.split(",")})
+        pin_process({int(c) for c in config.learner_cpus.split(",")})
     model_path = resolve_model(config.model.path)
     if config.stage == "sft":
         from jaxrlhf.stages import sft as stage

@@ -153,3 +153,34 @@ def test_a_started_generator_computes_on_every_core_unless_told():
     assert args[args.index("--cpu-reserved-cores") + 1] == "0"
     gen.cpu_reserved_cores = -1  # vLLM's own default
     assert "--cpu-reserved-cores" not in engine_args(gen)
+
+
+PIN_CHECK = """
+import json, os, threading, jax, jax.numpy as jnp
+from jaxrlhf.main import pin_process
+jnp.ones(4).block_until_ready()  # XLA's compute threads exist from here
+ready = threading.Event()
+threading.Thread(target=ready.wait, daemon=True).start()
+pin_process({0})
+later = threading.Thread(target=ready.wait, daemon=True)
+later.start()
+masks = {}
+for task in os.listdir("/proc/self/task"):
+    status = open(f"/proc/self/task/{task}/status").read()
+    lines = [l for l in status.splitlines() if l.startswith("Cpus_allowed_list")]
+    masks[task] = lines[0].split()[1]
+ready.set()
+print(json.dumps([sorted(set(masks.values())), len(masks)]))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or 0 not in os.sched_getaffinity(0),
+                    reason="needs cores 0 and another")  # fmt: skip
+def test_learner_cpus_pins_every_thread_of_the_process():
+    # `learner_cpus` once pinned the main thread alone; XLA's threads kept every core.
+    result = subprocess.run([sys.executable, "-c", PIN_CHECK], cwd=REPO, capture_output=True,
+                            text=True, timeout=120,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    masks, threads = json.loads(result.stdout.strip().splitlines()[-1])
+    assert masks == ["0"] and threads > 3, result.stdout
