@@ -49,25 +49,27 @@ def test_weight_chunks_split_by_byte_offset_and_keep_bfloat16():
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, env, message",
     [
-        (["--host", "0.0.0.0"], "requires a shared secret"),
-        (["--cpu-reserved-cores", "-1"], "--cpu-reserved-cores=-1: must be >= 0"),
-        (["--kv-cache-gib", "0"], "a KV cache of 0.0 GiB: it must be > 0"),
-        (["JAXRLHF_KV_CACHE_GIB=lots"], "JAXRLHF_KV_CACHE_GIB='lots' is not a number of GiB"),
+        (["--host", "0.0.0.0"], {}, "requires a shared secret"),
+        (["--cpu-reserved-cores", "-1"], {}, "--cpu-reserved-cores=-1: must be >= 0"),
+        (["--kv-cache-gib", "0"], {}, "a KV cache of 0.0 GiB: it must be > 0"),
+        (
+            [],
+            {"JAXRLHF_KV_CACHE_GIB": "lots"},
+            "JAXRLHF_KV_CACHE_GIB='lots' is not a number of GiB",
+        ),
     ],
 )
-def test_cli_refuses_bad_options_before_starting(args, message):
-    env = {"PATH": "/usr/bin:/bin", **dict(a.split("=", 1) for a in args if "=" in a)}
+def test_cli_refuses_bad_options_before_starting(args, env, message):
     result = subprocess.run(
-        [sys.executable, "-m", "generator_service", "--model", "unused",
-         *[a for a in args if "=" not in a]],
+        [sys.executable, "-m", "generator_service", "--model", "unused", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        env=env,
+        env={"PATH": "/usr/bin:/bin", **env},
         timeout=120,
-    )  # fmt: skip
+    )
     assert result.returncode == 2
     assert message in result.stderr
 
