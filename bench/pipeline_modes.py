@@ -7,7 +7,9 @@
 The same workload runs once per mode (`--modes`), each a plain `python -m jaxrlhf.main` in
 `{out}/{mode}` (what an earlier invocation left there is deleted first), generator pinned to
 `--cpus-generator` and learner to `--cpus-learner` (disjoint cores stand for separate
-accelerators):
+accelerators). Modes with the same swap setting share one generator service (`sync` and
+`one-step-off` both drain), or run against the running service `--generators` gives for it
+(`drain=HOST:PORT,in-flight-keep=HOST:PORT`; jaxrlhf/experiments/services.py):
 
 - `sync`: max_staleness 0, drain swaps, one Generate call per batch;
 - `one-step-off`: max_staleness 1, drain swaps, one call per batch (the paper's async mode);
@@ -57,6 +59,7 @@ from jaxrlhf.experiments import (
     timed_run_overrides,
 )
 from jaxrlhf.experiments.runner import parse_passthrough
+from jaxrlhf.experiments.services import SharedServices, parse_generators
 
 MODES = {  # name -> overrides
     "sync": {"max_staleness": 0, "generator.swap_mode": "drain", "rollout.continuous": False},
@@ -155,10 +158,17 @@ def main() -> None:
                         "others")  # fmt: skip
     parser.add_argument("--cpus-generator", default="1")
     parser.add_argument("--cpus-learner", default="0")
+    parser.add_argument("--generators", default="", help="SETTING=HOST:PORT,...: run the "
+                        "runs of a swap setting (drain, in-flight-keep, in-flight-recompute) "
+                        "against a running service (default: start one per setting)")  # fmt: skip
     parser.add_argument("--out", default="runs/pipeline_modes", help="folder for the runs")
     parser.add_argument("--analyze-only", action="store_true")
     args, extra = parser.parse_known_args()
     passthrough = parse_passthrough(parser, extra)
+    try:
+        given = parse_generators(args.generators)
+    except ValueError as error:
+        parser.error(str(error))
     model, workload = WORKLOADS[args.workload]
     args.model = args.model or model
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -166,18 +176,21 @@ def main() -> None:
         parser.error(f"--modes: sync first, then any of {list(MODES)[1:]}")
     out = Path(args.out).resolve()
     per_mode: dict[str, dict[str, float]] = {}
-    for mode in modes:
-        folder = out / mode
-        log = folder / "run.log"
-        if not args.analyze_only:
-            shutil.rmtree(folder, ignore_errors=True)
-            print(f"[pipeline_modes] {args.workload}: {mode}, log: {log}", flush=True)
-            overrides = {**overrides_for(args, mode, folder, workload), **passthrough}
-            returncode, _ = run_main(main_command(config_file_for(args.model), overrides), log)
-            if returncode != 0:
-                sys.exit(f"the {mode} run failed ({returncode}):\n{log_tail(log)}")
-        records, _ = read_run(folder)
-        per_mode[mode] = run_figures(records, args.warmup)
+    config_file = config_file_for(args.model)
+    with SharedServices(config_file, out, given) as services:
+        for mode in modes:
+            folder = out / mode
+            log = folder / "run.log"
+            if not args.analyze_only:
+                shutil.rmtree(folder, ignore_errors=True)
+                overrides = {**overrides_for(args, mode, folder, workload), **passthrough}
+                overrides["generator.addresses"] = services.address(overrides)
+                print(f"[pipeline_modes] {args.workload}: {mode}, log: {log}", flush=True)
+                returncode, _ = run_main(main_command(config_file, overrides), log)
+                if returncode != 0:
+                    sys.exit(f"the {mode} run failed ({returncode}):\n{log_tail(log)}")
+            records, _ = read_run(folder)
+            per_mode[mode] = run_figures(records, args.warmup)
     result = {
         "workload": args.workload,
         "model": args.model,

@@ -551,8 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if run is not None:
             run.kill()
-        for replica in replicas:
-            replica.stop()
+        stopping = [threading.Thread(target=replica.stop) for replica in replicas]
+        for thread in stopping:  # at once: each waits seconds for its engine to exit
+            thread.start()
+        for thread in stopping:
+            thread.join()
         sampler.stop()
     left = orphans_after(marker, grace_s=30)
     for pid, _ in left:  # the soak started them: end them after reporting

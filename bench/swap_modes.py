@@ -6,9 +6,11 @@
 
 The same asynchronous run (`configs/tiny.py`, or `--model`: one step off-policy, weights
 published after every update, long responses so that generating a batch takes longer than
-learning from one: g > t) is run with its generator started in each variant (`--variants`):
-`drain`, `in-flight-keep` and `in-flight-recompute` (`generator.swap_mode`,
-`generator.in_flight_kv`; `python -m generator_service --swap-mode --in-flight-kv`). The
+learning from one: g > t) is run with its generator in each variant (`--variants`): `drain`,
+`in-flight-keep` and `in-flight-recompute` (`generator.swap_mode`, `generator.in_flight_kv`;
+`python -m generator_service --swap-mode --in-flight-kv`). A variant's runs share one service,
+started by its first run, or the running one `--generators` gives for it
+(`drain=HOST:PORT,...`; jaxrlhf/experiments/services.py). The
 generator is pinned to `--cpus-generator`, the learner to `--cpus-learner`. Each run is a plain
 `python -m jaxrlhf.main` in `{out}/{variant}-{repeat}` (what an earlier invocation left there is
 deleted first); the order of the variants rotates from one repeat to the next.
@@ -50,12 +52,9 @@ from jaxrlhf.experiments import (
     timed_run_overrides,
 )
 from jaxrlhf.experiments.runner import parse_passthrough
+from jaxrlhf.experiments.services import SWAP_SETTINGS, SharedServices, parse_generators
 
-VARIANTS = {  # name -> (generator.swap_mode, generator.in_flight_kv)
-    "drain": ("drain", "keep"),
-    "in-flight-keep": ("in-flight", "keep"),
-    "in-flight-recompute": ("in-flight", "recompute"),
-}
+VARIANTS = SWAP_SETTINGS  # name -> (generator.swap_mode, generator.in_flight_kv)
 FIGURES = (
     ("time per update (s)", "step_s"),
     ("learner idle (s)", "learner_idle_s"),
@@ -162,31 +161,40 @@ def main() -> None:
     )
     parser.add_argument("--cpus-generator", default="1")
     parser.add_argument("--cpus-learner", default="0")
+    parser.add_argument("--generators", default="", help="SETTING=HOST:PORT,...: run the "
+                        "runs of a swap setting (drain, in-flight-keep, in-flight-recompute) "
+                        "against a running service (default: start one per setting)")  # fmt: skip
     parser.add_argument("--out", default="runs/swap_modes", help="folder for the runs")
     parser.add_argument("--analyze-only", action="store_true")
     args, extra = parser.parse_known_args()
     passthrough = parse_passthrough(parser, extra)
+    try:
+        given = parse_generators(args.generators)
+    except ValueError as error:
+        parser.error(str(error))
     out = Path(args.out).resolve()
     config_file = config_file_for(args.model)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if variants[:1] != ["drain"] or not set(variants) <= set(VARIANTS):
         parser.error(f"--variants: drain first, then any of {list(VARIANTS)[1:]}")
     per_run: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
-    for repeat in range(args.repeats):
-        shift = repeat % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
-            folder = out / f"{variant}-{repeat}"
-            log = folder / "run.log"
-            if not args.analyze_only:
-                shutil.rmtree(folder, ignore_errors=True)
-                print(f"[swap_modes] {variant} run {repeat + 1}/{args.repeats}, log: {log}",
-                      flush=True)  # fmt: skip
-                overrides = {**overrides_for(args, variant, folder), **passthrough}
-                returncode, _ = run_main(main_command(config_file, overrides), log)
-                if returncode != 0:
-                    sys.exit(f"the {variant} run failed ({returncode}):\n{log_tail(log)}")
-            records, _ = read_run(folder)
-            per_run[variant].append(run_figures(records, args.warmup))
+    with SharedServices(config_file, out, given) as services:
+        for repeat in range(args.repeats):
+            shift = repeat % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                folder = out / f"{variant}-{repeat}"
+                log = folder / "run.log"
+                if not args.analyze_only:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    overrides = {**overrides_for(args, variant, folder), **passthrough}
+                    overrides["generator.addresses"] = services.address(overrides)
+                    print(f"[swap_modes] {variant} run {repeat + 1}/{args.repeats}, log: {log}",
+                          flush=True)  # fmt: skip
+                    returncode, _ = run_main(main_command(config_file, overrides), log)
+                    if returncode != 0:
+                        sys.exit(f"the {variant} run failed ({returncode}):\n{log_tail(log)}")
+                records, _ = read_run(folder)
+                per_run[variant].append(run_figures(records, args.warmup))
     result = {
         "model": args.model,
         "steps": args.steps,

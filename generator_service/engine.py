@@ -96,6 +96,10 @@ class EngineConfig:
 
 
 GIB = 1 << 30
+# How long a stopping service waits for its engine processes before killing them. vLLM's own
+# default (5 s) is mostly spent after the work is done: its worker lingers ~3 s after its
+# queues close, then the engine core ~2 s more until it is killed anyway.
+ENGINE_STOP_TIMEOUT_S = 1.0
 
 
 def default_cpu_kv_cache_bytes() -> int:
@@ -626,12 +630,13 @@ class GeneratorEngine:
                 return
             await asyncio.sleep(0.001)
 
-    def shutdown(self) -> None:
-        """Stops the engine processes. Drops our reference at once so that AsyncLLM.__del__
-        (which shuts down again) runs now, not during interpreter teardown where it fails."""
+    def shutdown(self, timeout: float = ENGINE_STOP_TIMEOUT_S) -> None:
+        """Stops the engine processes: SIGTERM, and SIGKILL for those still there after
+        `timeout` s. Drops our reference at once so that AsyncLLM.__del__ (which shuts down
+        again) runs now, not during interpreter teardown where it fails."""
         llm, self._llm = self._llm, None
         if llm is not None:
-            llm.shutdown()
+            llm.shutdown(timeout=timeout)
             del llm
             gc.collect()
 

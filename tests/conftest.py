@@ -29,7 +29,9 @@ import pytest  # noqa: E402
 # fixtures it uses, is marked `slow` when collected: `make test-fast` (-m "not slow") then starts
 # no engine. A test that starts its own generator (a `python -m jaxrlhf.main` run, a replica of
 # its own) takes `own_generator`.
-ENGINE_FIXTURES = frozenset({"generator_server", "start_generator_server", "own_generator"})
+ENGINE_FIXTURES = frozenset(
+    {"generator_server", "start_generator_server", "own_generator", "in_flight_server"}
+)
 
 
 # Widest first: tests sharing a fixture of these scopes run on one xdist worker.

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, start_test_server
 
 # Small held-out splits and no evaluation before training: the runs only need to finish.
 QUICK = ["--config.task.num_eval=4", "--config.task.num_test=4", "--config.eval.at_start=false"]
@@ -27,6 +27,17 @@ def run(args, timeout=600, env=None):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
+
+
+@pytest.fixture(scope="module")
+def in_flight_server(tiny_llama, tmp_path_factory):
+    """A service swapping in flight with its KV kept, for this module's bench smokes (the runs
+    of their drain modes use the suite's shared service)."""
+    log = tmp_path_factory.mktemp("in-flight") / "server.log"
+    server = start_test_server(tiny_llama, log, ["--swap-mode", "in-flight", "--in-flight-kv",
+                                                 "keep"])  # fmt: skip
+    yield server
+    server.terminate()
 
 
 @pytest.mark.slow
@@ -84,18 +95,18 @@ def test_async_speedup_bench_runs(generator_address, tmp_path):
 
 
 @pytest.mark.slow
-def test_swap_modes_bench_runs_each_mode_end_to_end(tmp_path):
-    """Each run starts its own generator in its swap mode (`generator.swap_mode`): in drain
-    mode no sample spans a swap, in in-flight mode a sample may, and every token stays within
+def test_swap_modes_bench_runs_each_mode_end_to_end(generator_address, in_flight_server, tmp_path):
+    """Each variant against a service in its swap mode (`generator.swap_mode`): in drain mode no
+    sample spans a swap, in in-flight mode a sample may, and every token stays within
     max_staleness (its sample's oldest token bounds it)."""
+    generators = f"drain={generator_address},in-flight-keep={in_flight_server.address}"
     out = run(["bench/swap_modes.py", "--steps", "3", "--warmup", "1", "--max-response-tokens",
                "48", "--prompts-per-batch", "4", "--variants", "drain,in-flight-keep",
-               "--out", str(tmp_path)], env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+               "--generators", generators, "--out", str(tmp_path)])  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert "time per update (s)" in out and "in-flight-keep / drain: time per update" in out
     for mode, log in (("drain", "swaps: drain"), ("in-flight-keep", "swaps: in-flight, KV keep")):
         assert log in (tmp_path / f"{mode}-0" / "run.log").read_text()
-        assert log in (tmp_path / f"{mode}-0" / "generator.log").read_text()
         assert result[mode]["step_s"]["mean"] > 0 and result[mode]["generate_s"]["mean"] > 0
         for line in (tmp_path / f"{mode}-0" / "metrics.jsonl").read_text().splitlines():
             record = json.loads(line)
@@ -109,16 +120,20 @@ def test_swap_modes_bench_runs_each_mode_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_modes_bench_runs_each_mode_end_to_end(tmp_path):
-    """Three runs, each with its own generator in its mode, on a shortened long-tail workload;
-    every token within the bound, every response within its budget."""
+def test_pipeline_modes_bench_runs_each_mode_end_to_end(in_flight_server, tmp_path):
+    """The three modes on a shortened long-tail workload: sync and one-step-off share the one
+    draining service the bench starts, continuous runs against the running in-flight service
+    it is given; every token within the bound, every response within its budget."""
     out = run(["bench/pipeline_modes.py", "--workload", "long-tail", "--steps", "3",
-               "--warmup", "1", "--out", str(tmp_path), "--config.rollout.max_response_tokens=24",
-               "--config.rollout.length_law=pareto:1.2:4", "--config.rollout.prompts_per_batch=4",
-               "--config.generator.max_num_seqs=4"],
-              env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+               "--warmup", "1", "--out", str(tmp_path),
+               "--generators", f"in-flight-keep={in_flight_server.address}",
+               "--config.rollout.max_response_tokens=24",
+               "--config.rollout.length_law=pareto:1.2:4",
+               "--config.rollout.prompts_per_batch=4"])  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert "continuous / one-step-off update rate" in out
+    assert out.count("starting a generator service") == 1  # the drain modes' one
+    assert [p.name for p in tmp_path.glob("generator-*.log")] == ["generator-drain-0.log"]
     assert result["ideal_speedup"] >= 1 and result["sync"]["rate_vs_sync"] == 1
     for mode in ("sync", "one-step-off", "continuous"):
         figures = result[mode]

@@ -18,6 +18,7 @@ from jaxrlhf.experiments import (
     offpolicy,
 )
 from jaxrlhf.experiments.runner import SETTINGS_FILE, finished_with, run_figures
+from jaxrlhf.experiments.services import SharedServices, parse_generators
 from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr, paired_difference, within
 from tests.conftest import REPO
 
@@ -413,3 +414,17 @@ def test_an_experiment_starts_its_service_in_the_runs_swap_mode(tmp_path):
     assert started == [("drain", "keep"), ("in-flight", "keep"), ("in-flight", "recompute")]
     assert stopped == ["127.0.0.1:1", "127.0.0.1:2"]
     assert runner.address == "127.0.0.1:3"
+
+
+def test_generators_of_a_bench_by_swap_setting(tmp_path):
+    given = parse_generators(" drain=127.0.0.1:5001, in-flight-recompute=host:7 ,")
+    assert given == {"drain": "127.0.0.1:5001", "in-flight-recompute": "host:7"}
+    for bad in ("in-flight=127.0.0.1:1", "drain:127.0.0.1:1", "drain=nowhere"):
+        with pytest.raises(ValueError, match="is not SETTING=HOST:PORT"):
+            parse_generators(bad)
+    # A run is handed the given service of its swap setting (no engine is started for it).
+    services = SharedServices(REPO / "configs" / "tiny.py", tmp_path, given)
+    assert services.address({"generator.swap_mode": "drain"}) == "127.0.0.1:5001"
+    assert services.address({"generator.swap_mode": "in-flight",
+                             "generator.in_flight_kv": "recompute"}) == "host:7"  # fmt: skip
+    assert services.started == {}

@@ -248,7 +248,6 @@ def test_the_loop_survives_a_replica(replicas, tmp_path, failpoint, kind):
         while time.monotonic() < deadline and not gone(engine):
             time.sleep(0.2)
         assert gone(engine), f"{kind}: the killed replica's engine processes remain"
-        a.add_standby()  # for the next kill
 
 
 def test_a_replica_left_not_serving_by_a_failed_swap_rejoins(replicas, tmp_path):

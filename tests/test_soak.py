@@ -254,7 +254,7 @@ def test_a_short_soak_passes_its_checks(tiny_llama, tmp_path, own_generator):
     command = [
         sys.executable, "bench/soak.py", "--model", str(tiny_llama), "--out", str(out),
         "--minutes", "0", "--faults", "hang,fail-update", "--fault-interval", "1,3",
-        "--hang", "2,8",
+        "--hang", "2,4",
         "--recovery-timeout", "150",
         "--reference-steps", "5", "--checkpoint-every", "2", "--warmup", "5",
         "--sample-every", "1", "--seed", "0",
