@@ -1,18 +1,6 @@
 """The learner's side of the generator replicas: Generate fanned out with failover, weights
-published through a transport, failed replicas probed, restarted and brought back.
-
-A replica is in one of three states:
-
-- live: it takes Generate calls and every publish;
-- failed: one of its calls missed its deadline, was cut off or refused (the replica died, hung,
-  or went away). It gets no work. A prober thread asks it for its status every
-  `probe_interval` seconds; a replica that the learner started itself (`restart`) is restarted
-  instead, a bounded number of times with growing back-off;
-- rejoining: it answers again (restarted, continued, or a replacement at the same address) but
-  may serve stale weights, or none it can vouch for (NOT_SERVING after a swap that failed
-  half-way). It first receives the learner's current weights and version, in full, whatever it
-  served before (the next publish, or a publish with `rejoining_only` from the learner's thread
-  while it waits for a batch), then it is live.
+published through a transport. Each replica is live, failed or rejoining; failed replicas are
+probed, restarted and brought back by their lifecycle (`jaxrlhf.rl.lifecycle`).
 
 Generate (`generate`) splits the prompts over the live replicas; a call that fails hands its
 unfinished prompts to the replicas still live (or, when none is, to the first that rejoins):
@@ -41,6 +29,7 @@ from typing import Any
 
 import grpc
 
+from jaxrlhf.rl.lifecycle import LIVE, REJOINING, Lifecycle, Replica
 from jaxrlhf.rl.rollout import Sample
 from jaxrlhf.rl.transport import (
     TRANSPORTS,
@@ -60,8 +49,6 @@ REPLICA_DOWN = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
 })  # fmt: skip
-LIVE, FAILED, REJOINING = "live", "failed", "rejoining"
-UNKNOWN_VERSION = -1  # of a replica whose weights are unknown: it is sent the full update
 # gRPC backs off reconnecting to a dead server up to 2 minutes; a replica that comes back must
 # be seen within a probe or two.
 RECONNECT_OPTIONS = (
@@ -95,25 +82,6 @@ class Timeouts:
 
     def generate_for(self, rows: int, max_tokens: int) -> float:
         return self.generate or 30.0 + rows * max_tokens / 50.0
-
-
-@dataclasses.dataclass
-class Replica:
-    client: GeneratorClient
-    state: str = LIVE
-    version: int = UNKNOWN_VERSION  # the version it serves, as far as the pool knows
-    failed_at: float = 0.0
-    error: str = ""
-    restarts: int = 0
-    restarting: bool = False
-    # Sequences it may generate at once for `lease` (its engine's max_num_seqs, or the pool's
-    # `capacity`), and how many leased calls hold now.
-    capacity: int = 0
-    in_use: int = 0
-
-    @property
-    def target(self) -> str:
-        return self.client.target
 
 
 def prompt_messages(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int] = ()):
@@ -159,8 +127,7 @@ class GeneratorPool:
         ]
         self.retries, self.backoff_seconds = retries, backoff_seconds
         self.chunk_bytes, self.transport_name = chunk_bytes, transport
-        self.timeouts, self.probe_interval = timeouts, probe_interval
-        self.restart, self.max_restarts = restart, max_restarts
+        self.timeouts = timeouts
         self.no_replica_timeout = no_replica_timeout
         self.log = log or logger.warning
         if capacity < 0:
@@ -171,9 +138,9 @@ class GeneratorPool:
         self._cond = threading.Condition()
         self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=4 * len(targets) + 4)
         self._closed = threading.Event()
-        self._prober = threading.Thread(target=self._probe_loop, name="replica-prober",
-                                        daemon=True)  # fmt: skip
-        self._prober.start()
+        self.lifecycle = Lifecycle(self.replicas, self._cond, self.counters, self._client,
+                                   timeouts.status, probe_interval, restart, max_restarts,
+                                   self.log)  # fmt: skip
 
     def _client(self, target: str) -> GeneratorClient:
         return GeneratorClient(target, *self._credentials, options=RECONNECT_OPTIONS)
@@ -181,21 +148,13 @@ class GeneratorPool:
     # --- state -------------------------------------------------------------------------------
 
     def _in(self, *states: str) -> list[Replica]:
-        with self._cond:
-            return [r for r in self.replicas if r.state in states]
+        return self.lifecycle.in_states(*states)
 
     def _fail(self, replica: Replica, reason: str) -> None:
-        with self._cond:
-            if replica.state == FAILED:
-                return
-            replica.state, replica.failed_at, replica.error = FAILED, time.monotonic(), reason
-            self.counters["failures"] += 1
-            self._cond.notify_all()
-        self.log(f"generator {replica.target} failed ({reason}); {self._live_summary()}")
+        self.lifecycle.fail(replica, reason)
 
     def _live_summary(self) -> str:
-        live = self._in(LIVE)
-        return f"{len(live)} of {len(self.replicas)} replica(s) live"
+        return self.lifecycle.summary()
 
     def metrics(self) -> dict[str, int]:
         """generators_live now; failures, failovers, restarts, rejoins, publish_retries since the
@@ -541,33 +500,12 @@ class GeneratorPool:
             f"weight update {policy_version} reached none of {count} generator(s): "
             + "; ".join(failures.values())
         )
-        if not self._may_come_back():
+        if not self.lifecycle.may_come_back():
             raise GeneratorError(message)
         self.log(f"{message}; it goes to the first that rejoins")
 
-    def _may_come_back(self) -> bool:
-        """Whether a failed replica can rejoin: the run restarts it, or it still answers
-        (NOT_SERVING after a failed swap, say)."""
-        for replica in self._in(FAILED):
-            if self.restart is not None and replica.restarts < self.max_restarts:
-                return True
-            try:
-                replica.client.status(timeout=self.timeouts.status)
-            except grpc.RpcError:
-                continue
-            return True
-        return False
-
     def _join(self, replica: Replica, version: int) -> None:
-        with self._cond:
-            rejoined = replica.state == REJOINING
-            replica.state, replica.version, replica.error = LIVE, version, ""
-            if rejoined:
-                self.counters["rejoins"] += 1
-            self._cond.notify_all()
-        if rejoined:
-            self.log(f"generator {replica.target} rejoined at version {version}; "
-                     f"{self._live_summary()}")  # fmt: skip
+        self.lifecycle.join(replica, version)
 
     def _transport_for(self, specs) -> WeightTransport:
         """The transport, decided at the first publish: the shared file when `transport` is
@@ -616,65 +554,11 @@ class GeneratorPool:
             return f"the generators' shared folder {folder} is not writable here", True
         return "", True
 
-    # --- probing and restarts ----------------------------------------------------------------
-
-    def _probe_loop(self) -> None:
-        while not self._closed.wait(self.probe_interval):
-            for replica in self._in(FAILED):
-                if replica.restarting:
-                    continue
-                try:
-                    status = replica.client.status(timeout=self.timeouts.status)
-                except grpc.RpcError:
-                    self._maybe_restart(replica)
-                    continue
-                self._rejoining(replica, status)
-
-    def _rejoining(self, replica: Replica, status: generator_pb2.GeneratorStatus) -> None:
-        """A failed replica answers again: it waits for the current weights. One NOT_SERVING
-        (a swap failed half-way) holds weights of no known version: it gets the full update."""
-        version = status.policy_version if status.serving else UNKNOWN_VERSION
-        with self._cond:
-            replica.state, replica.version = REJOINING, version
-            self._cond.notify_all()
-        served = (f"version {status.policy_version}" if status.serving
-                  else "not serving: its weights are unknown")  # fmt: skip
-        self.log(f"generator {replica.target} answers again ({served}): it rejoins with the "
-                 "current weights")  # fmt: skip
-
-    def _maybe_restart(self, replica: Replica) -> None:
-        """Restarts a failed replica the learner started, once its back-off has passed."""
-        if self.restart is None or replica.restarts >= self.max_restarts:
-            return
-        if time.monotonic() - replica.failed_at < 5.0 * 2**replica.restarts:
-            return
-        replica.restarting = True
-        replica.restarts += 1
-        self.log(f"restarting generator {replica.target} "
-                 f"(restart {replica.restarts} of at most {self.max_restarts})")  # fmt: skip
-
-        def run() -> None:
-            try:
-                target = self.restart(replica.target)
-                client = self._client(target)
-                old, replica.client = replica.client, client
-                old.close()
-                with self._cond:
-                    self.counters["restarts"] += 1
-                self.log(f"generator restarted at {target}")
-            except Exception as error:  # noqa: BLE001 - logged; the prober tries again later
-                replica.failed_at = time.monotonic()
-                self.log(f"restarting generator {replica.target} failed: {error}")
-            finally:
-                replica.restarting = False
-
-        threading.Thread(target=run, name="replica-restart", daemon=True).start()
-
     def close(self) -> None:
         self._closed.set()
         with self._cond:
             self._cond.notify_all()
-        self._prober.join(timeout=10)
+        self.lifecycle.close()
         if self._transport is not None:
             self._transport.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
