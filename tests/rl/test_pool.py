@@ -9,14 +9,18 @@ service's real UpdateWeights/GetStatus code on an engine stand-in that records t
 
 from __future__ import annotations
 
+import collections
 import re
+import threading
 import time
 
 import numpy as np
 import pytest
 
+from jaxrlhf.rl.lifecycle import FAILED, REJOINING, Lifecycle, Replica
 from jaxrlhf.rl.pool import GeneratorError, GeneratorPool
 from jaxrlhf.rl.rollout import Sample, check_complete
+from jaxrlhf.rpc.client import GeneratorClient
 from tests.generator_service.replicas import FakeGenerator, RecordingReplica
 
 pytestmark = pytest.mark.timeout(120)
@@ -248,3 +252,40 @@ def test_replicas_rejoin_between_two_publishes_with_the_learners_weights_and_ver
                 iter_hf_tensors(learner.policy, params, dtype)}  # fmt: skip
     assert recording.engine.policy_version == 4 and recording.engine.serving
     assert {name: data for name, (_, data) in recording.received(4).items()} == expected
+
+
+def test_the_lifecycle_restarts_a_dead_replica_of_the_run_within_its_bound(fakes):
+    """Probed dead, a replica the run started is restarted (after its back-off of 5 s), answers
+    at its new address and waits for the weights; once it took them it is live. A replica at its
+    restart bound that does not answer can no longer come back."""
+    dead = fakes()
+    address = dead.address
+    dead.stop()
+    fresh = fakes()
+    restarted, logs = [], []
+    counters: collections.Counter[str] = collections.Counter()
+
+    def restart(target: str) -> str:
+        restarted.append(target)
+        return fresh.address
+
+    replica = Replica(GeneratorClient(address), version=3)
+    lifecycle = Lifecycle([replica], threading.Condition(), counters, GeneratorClient,
+                          status_timeout=1.0, probe_interval=0.1, restart=restart,
+                          max_restarts=1, log=logs.append)  # fmt: skip
+    try:
+        lifecycle.fail(replica, "Generate: UNAVAILABLE")
+        assert lifecycle.may_come_back()  # it may still be restarted
+        wait_for(lambda: replica.state == REJOINING)
+        assert replica.version == 0  # what the fresh replica serves, as it answered
+        lifecycle.join(replica, 4)
+        fresh.stop()
+        lifecycle.fail(replica, "Generate: UNAVAILABLE")
+        time.sleep(0.5)
+        assert not lifecycle.may_come_back()  # restarted once already, and silent
+    finally:
+        lifecycle.close()
+    assert restarted == [address] and replica.target == fresh.address
+    assert (replica.state, replica.version) == (FAILED, 4)
+    assert dict(counters) == {"failures": 2, "restarts": 1, "rejoins": 1}
+    assert any("restart 1 of at most 1" in line for line in logs)
