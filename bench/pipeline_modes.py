@@ -4,9 +4,10 @@
     python bench/pipeline_modes.py --workload default     # the offline default (SmolLM2)
     python bench/pipeline_modes.py --analyze-only         # recompute from the runs in --out
 
-The same workload runs once per mode (`--modes`), each a plain `python -m jaxrlhf.main` in
-`{out}/{mode}` (what an earlier invocation left there is deleted first), generator pinned to
-`--cpus-generator` and learner to `--cpus-learner` (disjoint cores stand for separate
+The same workload runs once per mode (`--modes`) and repeat (`--repeats`; the order of the
+modes rotates from one repeat to the next), each a plain `python -m jaxrlhf.main` in
+`{out}/{mode}-{repeat}` (what an earlier invocation left there is deleted first), generator
+pinned to `--cpus-generator` and learner to `--cpus-learner` (disjoint cores stand for separate
 accelerators). Modes with the same swap setting share one generator service (`sync` and
 `one-step-off` both drain), or run against the running service `--generators` gives for it
 (`drain=HOST:PORT,in-flight-keep=HOST:PORT`; jaxrlhf/experiments/services.py):
@@ -27,8 +28,9 @@ Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to every run):
   longest answer (P(a budget reaches the cap) = 16/192, so half the batches have one at 192;
   the median budget is 32).
 
-Per mode, means over steps `warmup+1 .. steps-1` of metrics.jsonl (the last step is left out:
-nothing is generated after it):
+Per run, means over steps `warmup+1 .. steps-1` of metrics.jsonl (the last step is left out:
+nothing is generated after it); per mode, the mean ± standard error of those over the repeats
+(rates: repeat by repeat, then mean ± s.e.):
 
 - time per update: step_s, and the update rate relative to sync (sync's ÷ this mode's);
 - the ideal: (g + t) / max(g, t) from the sync run, where g = generate_s and t = step_s −
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -60,6 +63,7 @@ from jaxrlhf.experiments import (
 )
 from jaxrlhf.experiments.runner import parse_passthrough
 from jaxrlhf.experiments.services import SharedServices, parse_generators
+from jaxrlhf.experiments.stats import mean_stderr
 
 MODES = {  # name -> overrides
     "sync": {"max_staleness": 0, "generator.swap_mode": "drain", "rollout.continuous": False},
@@ -107,34 +111,57 @@ def run_figures(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     return out
 
 
-def compare(per_mode: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Each mode's update rate relative to sync, the ideal from the sync run, efficiency."""
+def compare(per_run: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Per mode: each figure's mean over the repeats (`{key}_stderr` beside it), the update
+    rate relative to sync (per repeat: sync's step_s ÷ this mode's, then mean ± s.e.), the ideal
+    from the sync runs, efficiency; continuous ÷ one-step-off the same way."""
+    per_mode = {mode: _means(runs) for mode, runs in per_run.items()}
     sync = per_mode["sync"]
     g, t = sync["generate_s"], sync["learner_s"]
     ideal = (g + t) / max(g, t)
     out: dict[str, Any] = {"ideal_speedup": ideal, "sync_generate_s": g, "sync_learner_s": t}
     for mode, figures in per_mode.items():
-        rate = sync["step_s"] / figures["step_s"]
-        out[mode] = {**figures, "rate_vs_sync": rate, "efficiency": rate / ideal}
-    if "one-step-off" in per_mode and "continuous" in per_mode:
-        out["continuous_vs_one_step_off"] = (
-            per_mode["one-step-off"]["step_s"] / per_mode["continuous"]["step_s"]
-        )
+        rate, rate_stderr = _rate(per_run["sync"], per_run[mode])
+        out[mode] = {**figures, "rate_vs_sync": rate, "rate_vs_sync_stderr": rate_stderr,
+                     "efficiency": rate / ideal, "repeats": len(per_run[mode])}  # fmt: skip
+    if "one-step-off" in per_run and "continuous" in per_run:
+        ratio, stderr = _rate(per_run["one-step-off"], per_run["continuous"])
+        out["continuous_vs_one_step_off"] = ratio
+        out["continuous_vs_one_step_off_stderr"] = stderr
     return out
 
 
+def _means(runs: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in runs[0]:
+        out[key], out[f"{key}_stderr"] = mean_stderr([run[key] for run in runs])
+    return out
+
+
+def _rate(base: list[dict[str, float]], other: list[dict[str, float]]) -> tuple[float, float]:
+    """Mean ± s.e. over repeats of base's step_s ÷ other's, repeat by repeat."""
+    return mean_stderr([b["step_s"] / o["step_s"] for b, o in zip(base, other, strict=True)])
+
+
+def _cell(value: float, stderr: float) -> str:
+    return f"{value:.3f}" if math.isnan(stderr) else f"{value:.3f} ± {stderr:.3f}"
+
+
 def table(result: dict[str, Any], modes: list[str]) -> str:
-    lines = [f"{'':<28}" + "".join(f"{m:>14}" for m in modes)]
+    lines = [f"{'':<28}" + "".join(f"{m:>18}" for m in modes)]
     rows = [(label, key) for label, key, _ in FIGURES]
     rows += [("update rate / sync", "rate_vs_sync"), ("efficiency (÷ ideal)", "efficiency")]
     for label, key in rows:
-        lines.append(f"{label:<28}" + "".join(f"{result[m][key]:>14.3f}" for m in modes))
+        cells = [_cell(result[m][key], result[m].get(f"{key}_stderr", math.nan)) for m in modes]
+        lines.append(f"{label:<28}" + "".join(f"{c:>18}" for c in cells))
     g, t = result["sync_generate_s"], result["sync_learner_s"]
     lines.append(f"ideal speedup (g + t) / max(g, t) from sync: {result['ideal_speedup']:.3f} "
                  f"(g {g:.2f} s, t {t:.2f} s)")  # fmt: skip
     if "continuous_vs_one_step_off" in result:
-        lines.append(f"continuous / one-step-off update rate: "
-                     f"{result['continuous_vs_one_step_off']:.3f}")  # fmt: skip
+        ratio = _cell(result["continuous_vs_one_step_off"],
+                      result["continuous_vs_one_step_off_stderr"])  # fmt: skip
+        lines.append(f"continuous / one-step-off update rate: {ratio}")
+    lines.append(f"repeats per mode: {result[modes[0]]['repeats']}")
     return "\n".join(lines)
 
 
@@ -154,6 +181,8 @@ def main() -> None:
                         "workload's)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=10, help="updates per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode (the order of "
+                        "the modes rotates from one repeat to the next)")  # fmt: skip
     parser.add_argument("--modes", default=",".join(MODES), help="sync first, then any of the "
                         "others")  # fmt: skip
     parser.add_argument("--cpus-generator", default="1")
@@ -175,22 +204,25 @@ def main() -> None:
     if modes[:1] != ["sync"] or not set(modes) <= set(MODES):
         parser.error(f"--modes: sync first, then any of {list(MODES)[1:]}")
     out = Path(args.out).resolve()
-    per_mode: dict[str, dict[str, float]] = {}
     config_file = config_file_for(args.model)
+    per_run: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     with SharedServices(config_file, out, given) as services:
-        for mode in modes:
-            folder = out / mode
-            log = folder / "run.log"
-            if not args.analyze_only:
-                shutil.rmtree(folder, ignore_errors=True)
-                overrides = {**overrides_for(args, mode, folder, workload), **passthrough}
-                overrides["generator.addresses"] = services.address(overrides)
-                print(f"[pipeline_modes] {args.workload}: {mode}, log: {log}", flush=True)
-                returncode, _ = run_main(main_command(config_file, overrides), log)
-                if returncode != 0:
-                    sys.exit(f"the {mode} run failed ({returncode}):\n{log_tail(log)}")
-            records, _ = read_run(folder)
-            per_mode[mode] = run_figures(records, args.warmup)
+        for repeat in range(args.repeats):
+            shift = repeat % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                folder = out / f"{mode}-{repeat}"
+                log = folder / "run.log"
+                if not args.analyze_only:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    overrides = {**overrides_for(args, mode, folder, workload), **passthrough}
+                    overrides["generator.addresses"] = services.address(overrides)
+                    print(f"[pipeline_modes] {args.workload}: {mode} run {repeat + 1}/"
+                          f"{args.repeats}, log: {log}", flush=True)  # fmt: skip
+                    returncode, _ = run_main(main_command(config_file, overrides), log)
+                    if returncode != 0:
+                        sys.exit(f"the {mode} run failed ({returncode}):\n{log_tail(log)}")
+                records, _ = read_run(folder)
+                per_run[mode].append(run_figures(records, args.warmup))
     result = {
         "workload": args.workload,
         "model": args.model,
@@ -198,7 +230,8 @@ def main() -> None:
         "warmup": args.warmup,
         "modes": modes,
         "overrides": {**workload, **passthrough},
-        **compare(per_mode),
+        "repeats": args.repeats,
+        **compare(per_run),
     }
     (out / "results.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))

@@ -140,9 +140,9 @@ def test_pipeline_modes_bench_runs_each_mode_end_to_end(in_flight_server, tmp_pa
         assert figures["step_s"] > 0 and 0 <= figures["generator_occupancy"] <= 1
         assert 0 <= figures["learner_idle_fraction"] < 1
         assert figures["token_staleness_max"] <= (0 if mode == "sync" else 1)
-    assert "swaps: in-flight" in (tmp_path / "continuous" / "run.log").read_text()
+    assert "swaps: in-flight" in (tmp_path / "continuous-0" / "run.log").read_text()
     lengths = [
         json.loads(line)["response_length_mean"]
-        for line in (tmp_path / "continuous" / "metrics.jsonl").read_text().splitlines()
+        for line in (tmp_path / "continuous-0" / "metrics.jsonl").read_text().splitlines()
     ]
     assert all(0 < length <= 24 for length in lengths)

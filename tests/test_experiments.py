@@ -428,3 +428,34 @@ def test_generators_of_a_bench_by_swap_setting(tmp_path):
     assert services.address({"generator.swap_mode": "in-flight",
                              "generator.in_flight_kv": "recompute"}) == "host:7"  # fmt: skip
     assert services.started == {}
+
+
+def test_pipeline_modes_figures_over_repeats_by_hand():
+    spec = importlib.util.spec_from_file_location("pipeline_modes",
+                                                  REPO / "bench/pipeline_modes.py")  # fmt: skip
+    pipeline_modes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline_modes)
+
+    def run(step_s, generate_s=1.0, wait=0.0):
+        figures = {key: 0.5 for _, key, _ in pipeline_modes.FIGURES}
+        return {**figures, "step_s": step_s, "generate_s": generate_s,
+                "learner_s": step_s - wait}  # fmt: skip
+
+    per_run = {
+        "sync": [run(2.0, wait=1.0), run(2.4, wait=1.2)],  # g 1.0, t 1.1 on average
+        "one-step-off": [run(1.0), run(1.2)],  # 2.0x sync in both repeats
+        "continuous": [run(0.8), run(1.5)],  # 2.5x and 1.6x; 1.25 and 0.8 of one-step-off
+    }
+    result = pipeline_modes.compare(per_run)
+    assert result["ideal_speedup"] == pytest.approx((1.0 + 1.1) / 1.1)
+    assert result["one-step-off"]["rate_vs_sync"] == pytest.approx(2.0)
+    assert result["one-step-off"]["rate_vs_sync_stderr"] == pytest.approx(0.0)
+    assert result["continuous"]["rate_vs_sync"] == pytest.approx(2.05)
+    assert result["continuous"]["rate_vs_sync_stderr"] == pytest.approx(0.45)  # |2.5-1.6|/2
+    assert result["continuous_vs_one_step_off"] == pytest.approx(1.025)
+    assert result["continuous_vs_one_step_off_stderr"] == pytest.approx(0.225)
+    assert result["continuous"]["step_s"] == pytest.approx(1.15)
+    assert result["continuous"]["step_s_stderr"] == pytest.approx(0.35)
+    text = pipeline_modes.table(result, list(per_run))
+    assert "continuous / one-step-off update rate: 1.025 ± 0.225" in text
+    assert "repeats per mode: 2" in text

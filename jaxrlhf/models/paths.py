@@ -37,8 +37,9 @@ def built_once(folder: str | os.PathLike, build: Callable[[Path], None]) -> Path
 
 
 def resolve_model(path: str) -> Path:
-    """ "smollm2" = the packaged model (converted once), "tiny" = a tiny random model, a stage's
-    output dir = its exported `hf_export/`, else a Hugging Face folder or hub name."""
+    """ "smollm2" = the packaged model (converted once), "tiny" = a tiny random model (256
+    positions), "tiny-long" = the same with 1024 positions (long responses in benches), a
+    stage's output dir = its exported `hf_export/`, else a Hugging Face folder or hub name."""
     if path == "smollm2":
         from jaxrlhf.models.smollm2 import smollm2_path
 
@@ -48,6 +49,13 @@ def resolve_model(path: str) -> Path:
         from jaxrlhf.models.tiny import make_tiny_model
 
         return make_tiny_model(cache_dir() / "models" / "tiny-llama")
+    if path == "tiny-long":
+        from jaxrlhf.models.smollm2 import cache_dir
+        from jaxrlhf.models.tiny import make_tiny_model
+
+        return make_tiny_model(
+            cache_dir() / "models" / "tiny-llama-1024", max_position_embeddings=1024
+        )
     from jaxrlhf.models.hf_io import resolve_model_path
 
     exported = Path(path).expanduser() / "hf_export"
