@@ -13,9 +13,10 @@ accelerators). Modes with the same swap setting share one generator service (`sy
 (`drain=HOST:PORT,in-flight-keep=HOST:PORT`; jaxrlhf/experiments/services.py):
 
 - `sync`: max_staleness 0, drain swaps, one Generate call per batch;
-- `one-step-off`: max_staleness 1, drain swaps, one call per batch (the paper's async mode);
-- `continuous`: max_staleness 1, in-flight swaps (KV kept), `rollout.continuous` (prompt by
-  prompt, several batches in flight as the bound allows).
+- `one-step-off`: max_staleness 1 (`--max-staleness`), drain swaps, one call per batch (the
+  paper's async mode);
+- `continuous`: max_staleness 1 (`--max-staleness`), in-flight swaps (KV kept),
+  `rollout.continuous` (prompt by prompt, several batches in flight as the bound allows).
 
 Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to every run):
 
@@ -170,6 +171,7 @@ def overrides_for(args, mode: str, folder: Path, workload: dict[str, Any]) -> di
         **timed_run_overrides(folder, args.steps),
         **workload,
         **MODES[mode],
+        **({"max_staleness": args.max_staleness} if mode != "sync" else {}),
         **placement_overrides(args.model, args.cpus_generator, args.cpus_learner),
     }
 
@@ -183,6 +185,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out")
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (the order of "
                         "the modes rotates from one repeat to the next)")  # fmt: skip
+    parser.add_argument("--max-staleness", type=int, default=1, help="of the asynchronous "
+                        "modes (sync: 0)")  # fmt: skip
     parser.add_argument("--modes", default=",".join(MODES), help="sync first, then any of the "
                         "others")  # fmt: skip
     parser.add_argument("--cpus-generator", default="1")

@@ -1,8 +1,10 @@
 """The learner over 2 `jax.distributed` processes (2 fake CPU devices each, gloo, one mesh over
 all 4 devices) against the suite's generator: the async RLHF loop, its checkpoints and export.
 
-- Its per-step metrics and its exported weights equal those of one process with 4 devices.
-- Both processes SIGKILLed after a checkpoint and resumed: the same metrics as uninterrupted.
+Both processes are SIGKILLed after a checkpoint and resumed; the per-step metrics and the
+exported weights of that run then equal those of one uninterrupted process with 4 devices. (A
+run over 2 processes that differed from one process, or a resume that was not exact, fails
+the comparison: one 2-process run checks both, and saves the suite a third whole run.)
 """
 
 import json
@@ -93,15 +95,6 @@ def test_two_processes_equal_one_and_resume_exactly(generator_address, tmp_path)
     one = tmp_path / "one"
     subprocess.run(command(one, generator_address), cwd=REPO, env=env(4), check=True,
                    capture_output=True, timeout=600)  # fmt: skip
-    two = tmp_path / "two"
-    outputs = finish(start_two(two, generator_address))
-    assert "summary" in outputs[0][0] and "[jaxrlhf]" not in outputs[1][0]  # one speaks
-    assert "learner mesh {'data': 1, 'fsdp': 4, 'tensor': 1} over 2 process(es)" in outputs[0][0]
-    assert_same_metrics(metrics(one), metrics(two))
-    want, got = exported(one), exported(two)
-    assert set(got) == set(want)
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
     killed = tmp_path / "killed"
     procs = start_two(killed, generator_address)
@@ -117,4 +110,10 @@ def test_two_processes_equal_one_and_resume_exactly(generator_address, tmp_path)
     assert len(metrics(killed)) < STEPS
     outputs = finish(start_two(killed, generator_address, "--config.resume=true"))
     assert "resumed from step" in outputs[0][0]
-    assert_same_metrics(metrics(two), metrics(killed))
+    assert "summary" in outputs[0][0] and "[jaxrlhf]" not in outputs[1][0]  # one speaks
+    assert "learner mesh {'data': 1, 'fsdp': 4, 'tensor': 1} over 2 process(es)" in outputs[0][0]
+    assert_same_metrics(metrics(one), metrics(killed))
+    want, got = exported(one), exported(killed)
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
