@@ -195,9 +195,9 @@ def base_config() -> ml_collections.ConfigDict:
         probe_interval_s=2.0,
         max_restarts=3,
         no_replica_timeout_s=600.0,
-        # Continuous generation: the sequences a replica is given at once (0 = its engine's
-        # max_num_seqs, from GetStatus). max_num_seqs: of a generator this run starts (0 =
-        # vLLM's default).
+        # Continuous generation: a replica's capacity in sequences (0 = its engine's
+        # max_num_seqs, from GetStatus); a prompt's call starts while one is free.
+        # max_num_seqs: of a generator this run starts (0 = vLLM's default).
         capacity=0,
         max_num_seqs=0,
     )

@@ -8,9 +8,11 @@ a call starts as soon as
 
 - its batch's staleness bound allows it (batch i needs policy version ≥ i − max_staleness, the
   same rule), and
-- a replica serving such a version has room: each replica takes at most its capacity in
-  sequences at once (its engine's `max_num_seqs`, or `generator.capacity`); a call goes to the
-  replica with the most room (`GeneratorPool.lease`), not to a fixed share of its batch.
+- a replica serving such a version has a free slot of its capacity in sequences (its engine's
+  `max_num_seqs`, or `generator.capacity`); a call holds n slots, each given back as its sample
+  finishes, so the few sequences beyond the capacity wait in the engine's own queue and a freed
+  slot is refilled at once. A call goes to the replica with the most room
+  (`GeneratorPool.lease`), not to a fixed share of its batch.
 
 So batch i+1's first prompts start while batch i's last ones finish, on every replica, and with
 in-flight swaps (`generator.swap_mode=in-flight`) a batch's tail continues on the new weights.

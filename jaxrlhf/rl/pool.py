@@ -336,10 +336,13 @@ class GeneratorPool:
     # --- leased calls (continuous generation) -------------------------------------------------
 
     def lease(self, cost: int, min_version: int | None, stop: threading.Event) -> Replica | None:
-        """A live replica serving at least `min_version` with `cost` sequences free, the one
-        with the most (a call costs at most a replica's whole capacity); its `cost` is held
-        until `release`. Waits for one to free up or (re)join; None once `stop` is set; raises
-        GeneratorError after `no_replica_timeout` s with no usable replica at all."""
+        """A live replica serving at least `min_version` with a sequence slot free, the one with
+        the most; `cost` sequences are held on it until given back (`release`, sample by sample
+        in `run_leased`). So a replica runs at most capacity + cost − 1 sequences: the few
+        beyond its capacity wait in its engine's own queue and take a slot the moment one frees,
+        instead of after a round trip to this process. Waits for a slot or a replica to
+        (re)join; None once `stop` is set; raises GeneratorError after `no_replica_timeout` s
+        with no usable replica at all."""
         deadline = time.monotonic() + self.no_replica_timeout
         with self._cond:
             while not stop.is_set():
@@ -348,11 +351,8 @@ class GeneratorPool:
                     deadline = time.monotonic() + self.no_replica_timeout
                 # (a replica of unknown capacity, older than GetStatus.max_num_seqs, takes one
                 # call at a time)
-                free = [
-                    (r.capacity - r.in_use, r)
-                    for r in usable
-                    if r.in_use == 0 or r.capacity - r.in_use >= min(cost, r.capacity)
-                ]
+                free = [(r.capacity - r.in_use, r) for r in usable
+                        if r.in_use == 0 or r.in_use < r.capacity]  # fmt: skip
                 if free:
                     replica = max(free, key=lambda pair: pair[0])[1]
                     replica.in_use += cost
@@ -377,24 +377,30 @@ class GeneratorPool:
         sampling: dict[str, Any],
         started: Callable[[Any], None] | None = None,
     ) -> tuple[list[Sample], str | None]:
-        """One Generate call of one prompt's n samples on a leased `replica` (the lease is
-        released when it ends): (its samples, prompt_index 0, or [] if the call failed; the
-        error that marks the replica failed, or None). `started(call)` gets the gRPC call, so
-        that it can be cancelled. A refusal (not a replica failure) raises GeneratorError."""
+        """One Generate call of one prompt's n samples on a leased `replica`, its lease given
+        back sample by sample as each finishes (the engine's slot is free then) and the rest when
+        it ends: (its samples, prompt_index 0, or [] if the call failed; the error that marks the
+        replica failed, or None). `started(call)` gets the gRPC call, so that it can be
+        cancelled. A refusal (not a replica failure) raises GeneratorError."""
         sampling = dict(sampling)
         limit = sampling.pop("prompt_max_tokens", 0)
         n = sampling.get("n", 1)
         timeout = self.timeouts.generate_for(n, sampling.get("max_tokens", 1))
         samples: list[Sample] = []
+        held = n
         try:
             stream = replica.client.generate(prompt_messages([prompt], [limit]), timeout=timeout,
                                              **sampling)  # fmt: skip
             if started is not None:
                 started(stream)
-            samples = [Sample(0, c.sample_index, tuple(c.token_ids), tuple(c.logprobs),
-                              c.finish_reason, c.policy_version, tuple(c.token_policy_versions),
-                              c.submitted_unix_time, c.finished_unix_time)
-                       for c in stream]  # fmt: skip
+            for c in stream:
+                samples.append(Sample(0, c.sample_index, tuple(c.token_ids), tuple(c.logprobs),
+                                      c.finish_reason, c.policy_version,
+                                      tuple(c.token_policy_versions), c.submitted_unix_time,
+                                      c.finished_unix_time))  # fmt: skip
+                if held > 0:
+                    held -= 1
+                    self.release(replica, 1)
         except grpc.RpcError as error:
             if error.code() not in REPLICA_DOWN:
                 raise GeneratorError(describe(replica.target, error)) from error
@@ -403,7 +409,8 @@ class GeneratorPool:
                 self._fail(replica, reason)
             return [], reason
         finally:
-            self.release(replica, n)
+            if held > 0:
+                self.release(replica, held)
         if sorted(s.sample_index for s in samples) != list(range(n)):
             return [], f"Generate ended with {len(samples)} of {n} samples"
         return samples, None

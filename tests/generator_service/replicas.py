@@ -141,7 +141,8 @@ class FakeGenerator:
     is dead: the call ends UNAVAILABLE, as does every later call, GetStatus included.
     `capacity`: the max_num_seqs it reports. `hold(token_ids)`: called with each call's first
     prompt before it answers (a test blocks it there); `requests` keeps every GenerateRequest,
-    `max_running` the most calls it answered at once.
+    `max_running` the most calls it answered at once, `max_sequences` the most samples it owed
+    at once (a sample is owed from its call's start until it is sent).
     """
 
     def __init__(
@@ -156,6 +157,7 @@ class FakeGenerator:
         self.calls: list[list[str]] = []  # the prompt ids of each Generate call
         self.requests: list = []
         self.running = self.max_running = 0
+        self.sequences = self.max_sequences = 0
         self._lock = threading.Lock()
         self._sent = 0
         pb = generator_pb2
@@ -198,15 +200,23 @@ class FakeGenerator:
             self.requests.append(request)
             self.running += 1
             self.max_running = max(self.max_running, self.running)
+            owed = (request.sampling.n or 1) * len(request.prompts)
+            self.sequences += owed
+            self.max_sequences = max(self.max_sequences, self.sequences)
         try:
             version = self.version
             context.send_initial_metadata(((ADMITTED_VERSION_HEADER, str(version)),))
             if self.hold is not None:
                 self.hold(tuple(request.prompts[0].token_ids))
-            yield from self._completions(request, context, version)
+            for completion in self._completions(request, context, version):
+                with self._lock:
+                    self.sequences -= 1
+                    owed -= 1
+                yield completion
         finally:
             with self._lock:
                 self.running -= 1
+                self.sequences -= owed
 
     def _completions(self, request, context, version: int):
         from jaxrlhf_wire.stubs import generator_pb2

@@ -110,8 +110,10 @@ def test_batches_generate_at_once_and_arrive_in_order():
 
 def test_calls_go_where_there_is_room_and_never_beyond_it():
     """Two replicas of capacity 4 (two prompts of 2 samples each at once). A takes the first
-    call (a tie) and holds it; the next goes to B, the one with more room; neither ever runs
-    more than 2 calls, and every batch but the held one completes meanwhile."""
+    call (a tie) and holds it; the next goes to B, the one with more room. A call is admitted
+    while a slot is free, and its slots come back sample by sample: neither replica ever owes
+    more than capacity + n − 1 = 5 samples, and every batch but the held one completes
+    meanwhile."""
     holds = Holds((0, 0))
     a = FakeGenerator(capacity=4, hold=holds, workers=16)
     b = FakeGenerator(capacity=4, workers=16)
@@ -128,7 +130,7 @@ def test_calls_go_where_there_is_room_and_never_beyond_it():
         b.stop()
     assert [r.batch_index for r in batches] == [0, 1, 2, 3]
     assert (0, 0) in prompts_of(a) and (0, 1) in prompts_of(b)
-    assert a.max_running <= 2 and b.max_running <= 2
+    assert a.max_sequences <= 5 and b.max_sequences <= 5
     for rollout in batches:
         check_complete(rollout.batch_index, rollout.samples, PROMPTS, N)
 
