@@ -22,12 +22,14 @@ Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to every run):
 
 - `default`: `configs/default.py` as `make run` trains it (SmolLM2-135M, arithmetic,
   8 prompts x 4 samples): learner-bound.
-- `long-tail`: `configs/tiny.py` with each prompt's response budget drawn from a Pareto law of
-  shape 1.0 and minimum 16 tokens, capped at 192 (`rollout.length_law=pareto:1.0:16`; the tiny
-  random model almost never ends a response itself, so each length is its budget), 8 prompts
-  x 2 samples, engine capacity 64 sequences: generation-bound, a batch lasting as long as its
-  longest answer (P(a budget reaches the cap) = 16/192, so half the batches have one at 192;
-  the median budget is 32).
+- `long-tail`: `configs/tiny.py` on the tiny Llama with 1024 positions (`model.path=tiny-long`),
+  each prompt's response budget drawn from a Pareto law of shape 1.0 and minimum 32 tokens,
+  capped at 448 (`rollout.length_law=pareto:1.0:32`; P(a budget reaches the cap) = 32/448; the
+  median is 64; the random model also ends a response by sampling EOS, ~1/384 per token), 8
+  prompts x 2 samples, engine capacity 4 sequences (`generator.max_num_seqs`, a quarter of a
+  batch): generation-bound, the engine the bottleneck. Measured with `--max-staleness 2`
+  (BENCHMARKS.md): a batch at a time cannot use a bound beyond one batch ahead, continuous
+  generation can.
 
 Per run, means over steps `warmup+1 .. steps-1` of metrics.jsonl (the last step is left out:
 nothing is generated after it); per mode, the mean ± standard error of those over the repeats
@@ -81,11 +83,12 @@ WORKLOADS = {  # name -> (model, overrides)
     "long-tail": (
         "tiny",
         {
-            "rollout.length_law": "pareto:1.0:16",
-            "rollout.max_response_tokens": 192,
+            "model.path": "tiny-long",
+            "rollout.length_law": "pareto:1.0:32",
+            "rollout.max_response_tokens": 448,
             "rollout.prompts_per_batch": 8,
-            "generator.max_model_len": 256,
-            "generator.max_num_seqs": 64,
+            "generator.max_model_len": 512,
+            "generator.max_num_seqs": 4,
         },
     ),
 }
