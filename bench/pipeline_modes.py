@@ -50,22 +50,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 from jaxrlhf.experiments import (
     config_file_for,
-    log_tail,
-    main_command,
     placement_overrides,
     read_run,
-    run_main,
     timed_run_overrides,
 )
 from jaxrlhf.experiments.runner import parse_passthrough
-from jaxrlhf.experiments.services import SharedServices, parse_generators
+from jaxrlhf.experiments.services import parse_generators, run_side_by_side
 from jaxrlhf.experiments.stats import mean_stderr
 
 MODES = {  # name -> overrides
@@ -212,24 +207,11 @@ def main() -> None:
         parser.error(f"--modes: sync first, then any of {list(MODES)[1:]}")
     out = Path(args.out).resolve()
     config_file = config_file_for(args.model)
-    per_run: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
-    with SharedServices(config_file, out, given) as services:
-        for repeat in range(args.repeats):
-            shift = repeat % len(modes)
-            for mode in modes[shift:] + modes[:shift]:
-                folder = out / f"{mode}-{repeat}"
-                log = folder / "run.log"
-                if not args.analyze_only:
-                    shutil.rmtree(folder, ignore_errors=True)
-                    overrides = {**overrides_for(args, mode, folder, workload), **passthrough}
-                    overrides["generator.addresses"] = services.address(overrides)
-                    print(f"[pipeline_modes] {args.workload}: {mode} run {repeat + 1}/"
-                          f"{args.repeats}, log: {log}", flush=True)  # fmt: skip
-                    returncode, _ = run_main(main_command(config_file, overrides), log)
-                    if returncode != 0:
-                        sys.exit(f"the {mode} run failed ({returncode}):\n{log_tail(log)}")
-                records, _ = read_run(folder)
-                per_run[mode].append(run_figures(records, args.warmup))
+    per_run = run_side_by_side(
+        f"pipeline_modes {args.workload}", modes, args.repeats, out, config_file, given,
+        lambda mode, folder: {**overrides_for(args, mode, folder, workload), **passthrough},
+        lambda folder: run_figures(read_run(folder)[0], args.warmup), args.analyze_only,
+    )  # fmt: skip
     result = {
         "workload": args.workload,
         "model": args.model,

@@ -37,22 +37,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 from jaxrlhf.experiments import (
     config_file_for,
-    log_tail,
-    main_command,
     placement_overrides,
     read_run,
-    run_main,
     timed_run_overrides,
 )
 from jaxrlhf.experiments.runner import parse_passthrough
-from jaxrlhf.experiments.services import SWAP_SETTINGS, SharedServices, parse_generators
+from jaxrlhf.experiments.services import SWAP_SETTINGS, parse_generators, run_side_by_side
 
 VARIANTS = SWAP_SETTINGS  # name -> (generator.swap_mode, generator.in_flight_kv)
 FIGURES = (
@@ -177,24 +172,11 @@ def main() -> None:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if variants[:1] != ["drain"] or not set(variants) <= set(VARIANTS):
         parser.error(f"--variants: drain first, then any of {list(VARIANTS)[1:]}")
-    per_run: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
-    with SharedServices(config_file, out, given) as services:
-        for repeat in range(args.repeats):
-            shift = repeat % len(variants)
-            for variant in variants[shift:] + variants[:shift]:
-                folder = out / f"{variant}-{repeat}"
-                log = folder / "run.log"
-                if not args.analyze_only:
-                    shutil.rmtree(folder, ignore_errors=True)
-                    overrides = {**overrides_for(args, variant, folder), **passthrough}
-                    overrides["generator.addresses"] = services.address(overrides)
-                    print(f"[swap_modes] {variant} run {repeat + 1}/{args.repeats}, log: {log}",
-                          flush=True)  # fmt: skip
-                    returncode, _ = run_main(main_command(config_file, overrides), log)
-                    if returncode != 0:
-                        sys.exit(f"the {variant} run failed ({returncode}):\n{log_tail(log)}")
-                records, _ = read_run(folder)
-                per_run[variant].append(run_figures(records, args.warmup))
+    per_run = run_side_by_side(
+        "swap_modes", variants, args.repeats, out, config_file, given,
+        lambda variant, folder: {**overrides_for(args, variant, folder), **passthrough},
+        lambda folder: run_figures(read_run(folder)[0], args.warmup), args.analyze_only,
+    )  # fmt: skip
     result = {
         "model": args.model,
         "steps": args.steps,

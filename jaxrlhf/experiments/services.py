@@ -14,10 +14,13 @@ its config says, and refuses with a message naming both otherwise.
 
 from __future__ import annotations
 
+import shutil
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.experiments import load_config
+from jaxrlhf.experiments import load_config, log_tail, main_command, run_main
 
 # A swap setting's name -> (generator.swap_mode, generator.in_flight_kv).
 SWAP_SETTINGS = {
@@ -88,3 +91,38 @@ class SharedServices:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def run_side_by_side(
+    name: str,
+    labels: Sequence[str],
+    repeats: int,
+    out: Path,
+    config_file: Path,
+    given: dict[str, str],
+    overrides_for: Callable[[str, Path], dict[str, Any]],
+    figures_of: Callable[[Path], dict[str, float]],
+    analyze_only: bool = False,
+) -> dict[str, list[dict[str, float]]]:
+    """Runs `python -m jaxrlhf.main` once per label and repeat, in `{out}/{label}-{repeat}`
+    (emptied first), the labels' order rotating from one repeat to the next, against services
+    shared per swap setting (`SharedServices`); returns each label's figures per repeat
+    (`figures_of(folder)`). Exits naming the run and its log's tail when one fails. With
+    `analyze_only`, reads the runs already there."""
+    per_run: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+    with SharedServices(config_file, out, given) as services:
+        for repeat in range(repeats):
+            shift = repeat % len(labels)
+            for label in [*labels[shift:], *labels[:shift]]:
+                folder = out / f"{label}-{repeat}"
+                log = folder / "run.log"
+                if not analyze_only:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    overrides = overrides_for(label, folder)
+                    overrides["generator.addresses"] = services.address(overrides)
+                    print(f"[{name}] {label} run {repeat + 1}/{repeats}, log: {log}", flush=True)
+                    returncode, _ = run_main(main_command(config_file, overrides), log)
+                    if returncode != 0:
+                        sys.exit(f"the {label} run failed ({returncode}):\n{log_tail(log)}")
+                per_run[label].append(figures_of(folder))
+    return per_run
