@@ -71,16 +71,24 @@ def test_an_experiment_replaces_its_dead_generator(tmp_path):
 
 
 @pytest.mark.slow
-def test_async_vs_sync_experiment_runs(generator_address, tmp_path):
+def test_async_vs_sync_experiment_runs(generator_address, in_flight_server, tmp_path):
+    """Continuous async against sync: each mode's runs on the service of its swap setting."""
+    generators = f"drain={generator_address},in-flight-keep={in_flight_server.address}"
     out = run(["-m", "jaxrlhf.experiments.async_vs_sync", "--model", "tiny", "--steps", "2",
-               "--eval-every", "1", "--seeds", "0", "--out", str(tmp_path),
-               "--generator-addresses", generator_address, *QUICK])  # fmt: skip
-    results = json.loads((tmp_path / "results.json").read_text())
+               "--eval-every", "1", "--seeds", "0", "--out", str(tmp_path), "--async-mode",
+               "continuous", "--generator-addresses", generators, *QUICK])  # fmt: skip
+    results = json.loads((tmp_path / "results-continuous.json").read_text())
     rows = {(r["split"], r["step"]): r for r in results["comparisons"]}
     assert set(rows) == {(s, n) for s in ("test", "validation") for n in (1, 2)}
     assert all(math.isfinite(r["sync"]) and math.isfinite(r["async"]) for r in rows.values())
     assert results["chosen"] == "default" and "chosen on validation: default" in out
-    assert (tmp_path / "async_vs_sync.png").exists()
+    assert "async: continuous (max_staleness=1)" in out
+    assert (tmp_path / "continuous_vs_sync.png").exists()
+    assert "swaps: drain" in (tmp_path / "default" / "sync" / "seed0" / "run.log").read_text()
+    continuous = tmp_path / "default" / "continuous" / "seed0"
+    assert "swaps: in-flight, KV keep" in (continuous / "run.log").read_text()
+    records = [json.loads(line) for line in (continuous / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["token_staleness_max"] <= 1 for r in records)
 
 
 @pytest.mark.slow

@@ -17,8 +17,8 @@ from jaxrlhf.experiments import (
     main_command,
     offpolicy,
 )
-from jaxrlhf.experiments.runner import SETTINGS_FILE, finished_with, run_figures
-from jaxrlhf.experiments.services import SharedServices, parse_generators
+from jaxrlhf.experiments.runner import SETTINGS_FILE, finished_with, given_generators, run_figures
+from jaxrlhf.experiments.services import SWAP_SETTINGS, SharedServices, parse_generators
 from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr, paired_difference, within
 from tests.conftest import REPO
 
@@ -354,6 +354,39 @@ def test_async_vs_sync_vary_parsing():
         async_vs_sync.parse_vary("train.learning_rate")
 
 
+def test_async_vs_sync_plans_continuous_async_beside_the_shared_sync_runs(tmp_path):
+    args = async_vs_sync._parse_args(["--seeds", "0,1", "--steps", "4", "--out", str(tmp_path)])
+    one_step_off = async_vs_sync.plan(args, tmp_path)
+    args.async_mode = "continuous"
+    continuous = async_vs_sync.plan(args, tmp_path)
+    # The sync runs are the same runs (same folder, same overrides): one --out serves both.
+    assert one_step_off[::2] == continuous[::2]
+    assert [r.folder.relative_to(tmp_path).as_posix() for r in continuous] == [
+        "default/sync/seed0", "default/continuous/seed0",
+        "default/sync/seed1", "default/continuous/seed1"]  # fmt: skip
+    for off, cont in zip(one_step_off[1::2], continuous[1::2], strict=True):
+        assert off.folder.parent.name == "async" and off.labels == cont.labels
+        extra = {k: v for k, v in cont.overrides.items() if off.overrides.get(k) != v}
+        assert extra == {
+            "output_dir": str(cont.folder),
+            "rollout.continuous": True,
+            "generator.swap_mode": "in-flight",
+            "generator.in_flight_kv": "keep",
+        }
+        assert cont.overrides["max_staleness"] == off.overrides["max_staleness"] == 1
+    assert all(r.overrides["max_staleness"] == 0 for r in continuous[::2])
+    assert not any("rollout.continuous" in r.overrides for r in one_step_off)
+
+
+def test_an_experiments_generators_by_swap_setting():
+    assert given_generators("") == {}
+    assert given_generators("h:1") == {s: "h:1" for s in SWAP_SETTINGS}  # each run checks it
+    assert given_generators("drain=h:1,in-flight-keep=h:2") == {
+        "drain": "h:1", "in-flight-keep": "h:2"}  # fmt: skip
+    with pytest.raises(ValueError, match="SETTING=HOST:PORT"):
+        given_generators("drain=h:1,fast=h:2")
+
+
 def test_swap_modes_figures_by_hand():
     spec = importlib.util.spec_from_file_location("swap_modes", REPO / "bench/swap_modes.py")
     swap_modes = importlib.util.module_from_spec(spec)
@@ -383,37 +416,42 @@ def test_swap_modes_figures_by_hand():
     assert "in-flight-keep / drain: time per update 1.000" in swap_modes.table(result)
 
 
-def test_an_experiment_starts_its_service_in_the_runs_swap_mode(tmp_path):
-    """A run asking for another swap mode than the service's gets a new service in it."""
-    from jaxrlhf.experiments.runner import PlannedRun, Runner
+def test_an_experiment_shares_one_service_per_swap_setting(tmp_path, monkeypatch):
+    """A run gets the service of its swap setting, started by the first run of that setting on
+    the experiment's cores and kept for the later ones; one that died is replaced."""
+    import jaxrlhf.rl.service
+    from jaxrlhf.experiments.runner import Runner
 
-    started, stopped = [], []
+    started = []
 
     class Server:
-        def __init__(self, flags):
-            self.address, self.flags = f"127.0.0.1:{len(started)}", flags
-            self.process = type("P", (), {"poll": staticmethod(lambda: None)})
+        def __init__(self, options, cpus):
+            self.address, self.options, self.cpus = f"127.0.0.1:{len(started)}", options, cpus
+            self.exit_code = None
+            self.process = type("P", (), {"poll": lambda _: self.exit_code})()
 
         def terminate(self):
-            stopped.append(self.address)
+            self.exit_code = -15
 
-    class Recording(Runner):
-        def _start_generator(self, overrides):
-            started.append(self._swap_flags(overrides))
-            return Server(started[-1])
+    def start_server(model, log, options, cpus=None):
+        started.append(Server(options, cpus))
+        return started[-1]
 
-    runner = Recording(REPO / "configs/tiny.py", tmp_path, "test")
-    for overrides in (
-        {},
-        {"generator.swap_mode": "drain"},
-        {"generator.swap_mode": "in-flight"},
-        {"generator.swap_mode": "in-flight", "generator.in_flight_kv": "recompute"},
-        {"generator.swap_mode": "in-flight", "generator.in_flight_kv": "recompute"},
-    ):
-        runner._ensure_generator(PlannedRun({}, tmp_path / "run", overrides))  # fmt: skip
-    assert started == [("drain", "keep"), ("in-flight", "keep"), ("in-flight", "recompute")]
-    assert stopped == ["127.0.0.1:1", "127.0.0.1:2"]
-    assert runner.address == "127.0.0.1:3"
+    monkeypatch.setattr(jaxrlhf.rl.service, "start_server", start_server)
+    runner = Runner(REPO / "configs/tiny.py", tmp_path, "test", cpus_generator="1")
+    drain, keep = {}, {"generator.swap_mode": "in-flight"}
+    recompute = {**keep, "generator.in_flight_kv": "recompute"}
+    addresses = [runner.services.address(o) for o in (drain, keep, drain, recompute, keep)]
+    assert addresses == ["127.0.0.1:0", "127.0.0.1:1", "127.0.0.1:0", "127.0.0.1:2",
+                         "127.0.0.1:1"]  # fmt: skip
+    swap_flags = [s.options[s.options.index("--swap-mode") + 1] for s in started]
+    assert swap_flags == ["drain", "in-flight", "in-flight"] and started[0].cpus == [1]
+    assert runner.services.died("127.0.0.1:1") is None
+    started[1].exit_code = -9
+    assert runner.services.died("127.0.0.1:1") is started[1]
+    assert runner.services.address(keep) == "127.0.0.1:3"  # a new one in its place
+    runner.close()
+    assert all(s.exit_code == -15 for s in started if s is not started[1])
 
 
 def test_generators_of_a_bench_by_swap_setting(tmp_path):

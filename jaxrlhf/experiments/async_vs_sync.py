@@ -4,6 +4,7 @@
     python -m jaxrlhf.experiments.async_vs_sync --vary train.learning_rate=3e-6,1e-5
     python -m jaxrlhf.experiments.async_vs_sync --model tiny --steps 2 --eval-every 1 \
         --seeds 0 --out /tmp/avs-tiny                            # a pipeline check
+    python -m jaxrlhf.experiments.async_vs_sync --async-mode continuous  # continuous vs sync
     python -m jaxrlhf.experiments.async_vs_sync --report-only    # redraw from --out
 
 For each variant (`--vary KEY=V1,V2,...`: one config key and its values; default: the config as
@@ -15,16 +16,26 @@ i − 1, while the learner trains on batch i − 1). A seed fixes the prompts, t
 and the validation prompts, so the two modes of a seed differ only in the staleness of the
 samples: their difference is paired.
 
+`--async-mode continuous` makes the async runs continuous instead (`rollout.continuous=true`,
+`generator.swap_mode=in-flight` with the KV kept: batches overlap across the pool and a batch's
+tail finishes on newer weights; the staleness bound is still `max_staleness=1` per sample's
+oldest token). Continuous generation runs unseeded (vLLM 0.32's CPU engine dies on per-request
+seeds), so a seed fixes the prompts and the validation prompts but not the samples, and the
+pairing is by prompts only. Its runs go to `{variant}/continuous/` beside `{variant}/async/`,
+so both comparisons share the sync runs of one `--out`.
+
 Greedy accuracy is measured on the validation split (choosing a variant) and on the test split
 (the figure to report; the whole split, the same for every seed) after every `--eval-every`
 updates and at the end. Per variant and evaluation step: sync and async mean ± standard error
 over the seeds, and the paired difference async − sync (mean ± s.e.); "within noise" when
 |mean| ≤ 2 s.e. The variant with the best mean validation accuracy at the end (both modes) is
 marked chosen: its test figures are the ones to report. Each run is a plain `python -m
-jaxrlhf.main` in `{out}/{variant}/{sync|async}/seed{S}/` (one generator service for all; see
-`jaxrlhf.experiments.runner`). Outputs: `{out}/results.json`, `{out}/async_vs_sync.png` (test
-accuracy of both modes and their paired difference per variant and step, ± 1 s.e.) and a
-markdown table on stdout. The measured table and runtimes are in BENCHMARKS.md.
+jaxrlhf.main` in `{out}/{variant}/{sync|async|continuous}/seed{S}/` (one generator service per
+swap setting; see `jaxrlhf.experiments.runner`). Outputs: `{out}/results.json`,
+`{out}/async_vs_sync.png` (test accuracy of both modes and their paired difference per variant
+and step, ± 1 s.e.; with `--async-mode continuous`: `results-continuous.json`,
+`continuous_vs_sync.png`) and a markdown table on stdout. The measured table and runtimes are
+in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -133,7 +144,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], chosen: str | None) -> str:
     return "\n".join(lines)
 
 
-def plot_results(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+def plot_results(
+    rows: Sequence[dict[str, Any]], path: str | Path, title: str = "One-step-off async vs sync"
+) -> Path:
     """Test accuracy of both modes (left) and their paired difference (right), per variant
     and evaluation step, error bars ± 1 s.e."""
     from matplotlib.figure import Figure
@@ -160,7 +173,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
         ax.grid(alpha=0.3)
     left.legend()
     seeds = max((r["paired_seeds"] for r in test), default=0)
-    fig.suptitle(f"One-step-off async vs sync, {seeds} seeds")
+    fig.suptitle(f"{title}, {seeds} seeds")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
@@ -171,18 +184,30 @@ def _zero_if_nan(value: float) -> float:
     return value if math.isfinite(value) else 0.0
 
 
+# --async-mode -> (the async runs' folder name, their overrides besides max_staleness=1).
+ASYNC_MODES = {
+    "one-step-off": ("async", {}),
+    "continuous": ("continuous", {"rollout.continuous": True, "generator.swap_mode": "in-flight",
+                                  "generator.in_flight_kv": "keep"}),
+}  # fmt: skip
+
+
 def plan(args, out: Path) -> list[PlannedRun]:
     key, values = args.vary
+    async_folder, async_overrides = ASYNC_MODES[args.async_mode]
     runs = []
     for value in values:
         variant = variant_label(key, value)
-        for mode, staleness in MODES.items():
-            for seed in args.seeds:
-                folder = out / variant / mode / f"seed{seed}"
+        for seed in args.seeds:  # a seed's two modes one after the other: partial results pair
+            for mode, staleness in MODES.items():
+                mode_folder = "sync" if mode == "sync" else async_folder
+                folder = out / variant / mode_folder / f"seed{seed}"
                 overrides = common_overrides(args, folder, args.steps)
                 overrides |= {"seed": seed, "max_staleness": staleness, "sync_every": 1,
                               "num_mini_batches": 0, "eval.every": args.eval_every,
                               "eval.test": True, "eval.test_every": args.eval_every}  # fmt: skip
+                if mode == "async":
+                    overrides |= async_overrides
                 if key:
                     overrides[key] = value
                 labels = {"variant": variant, "mode": mode, "seed": seed}
@@ -197,6 +222,12 @@ def _parse_args(argv: Sequence[str] | None):
     parser.add_argument("--steps", type=int, default=16, help="updates per run")
     parser.add_argument("--eval-every", type=int, default=8, help="updates between evaluations")
     parser.add_argument("--vary", default="", help="KEY=V1,V2: one config key's values")
+    parser.add_argument(
+        "--async-mode",
+        choices=list(ASYNC_MODES),
+        default="one-step-off",
+        help="how the async runs generate (module docstring)",
+    )
     parser.add_argument("--out", default="runs/async_vs_sync")
     add_runner_arguments(parser)
     args, extra = parser.parse_known_args(argv)
@@ -212,24 +243,31 @@ def _parse_args(argv: Sequence[str] | None):
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
     runner, out = runner_from_args(args, "async_vs_sync")
-    settings = {key: getattr(args, key) for key in (
-        "seeds", "model", "steps", "eval_every", "vary", "last", "passthrough")}  # fmt: skip
+    keys = ("seeds", "model", "steps", "eval_every", "vary", "async_mode", "last", "passthrough")
+    settings = {key: getattr(args, key) for key in keys}
+
+    continuous = args.async_mode == "continuous"
+    # --async-mode continuous writes beside the one-step-off comparison, not over it.
+    results_file = out / ("results-continuous.json" if continuous else "results.json")
+    figure_file = out / ("continuous_vs_sync.png" if continuous else "async_vs_sync.png")
 
     def write(entries):
         rows = comparisons(entries, args.steps, args.eval_every)
         results = {"settings": settings, "chosen": chosen_variant(rows, args.steps),
                    "comparisons": rows, "runs": entries}  # fmt: skip
-        (out / "results.json").write_text(json.dumps(results, indent=2))
+        results_file.write_text(json.dumps(results, indent=2))
 
     entries = runner.run_all(plan(args, out), args.last, write)
     rows = comparisons(entries, args.steps, args.eval_every)
     chosen = chosen_variant(rows, args.steps)
+    print(f"async: {args.async_mode} (max_staleness=1)")
     print(markdown_table(rows, chosen))
     if chosen is not None:
         print(f"chosen on validation: {chosen}")
     if rows:
-        print(f"figure: {plot_results(rows, out / 'async_vs_sync.png')}")
-    print(f"results: {out / 'results.json'}")
+        title = "Continuous async vs sync" if continuous else "One-step-off async vs sync"
+        print(f"figure: {plot_results(rows, figure_file, title)}")
+    print(f"results: {results_file}")
 
 
 if __name__ == "__main__":

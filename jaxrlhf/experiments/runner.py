@@ -1,15 +1,14 @@
-"""Many `python -m jaxrlhf.main` runs, one after another, against one generator service.
+"""Many `python -m jaxrlhf.main` runs, one after another, against shared generator services.
 
 An experiment plans its runs (`PlannedRun`: the labels that place it in a table, a folder and
-its `--config.KEY=VALUE` overrides), and `Runner.run_all` executes them: the first run that
-needs a generator starts one service for the whole experiment (saving an engine start per run;
-each run publishes its initial weights first, since the service serves the previous run's), a
-run whose folder holds a finished run with the same overrides is reused, a failed run is
-recorded and the experiment goes on. The service is started in the runs' swap mode
-(`generator.swap_mode`, `generator.in_flight_kv`) and replaced when a run asks for another. A
-service of the experiment's own that dies is replaced (at most `MAX_GENERATOR_RESTARTS` times),
-and a run it broke is run again. Each run's figures
-(`run_figures`) come from its `metrics.jsonl` and `summary.json`.
+its `--config.KEY=VALUE` overrides), and `Runner.run_all` executes them: the first run of a
+swap setting (`generator.swap_mode`, `generator.in_flight_kv`) starts one service that every
+later run of that setting shares (`jaxrlhf.experiments.services.SharedServices`: an engine start
+saved per run; each run publishes its initial weights first, since the service serves the
+previous run's), a run whose folder holds a finished run with the same overrides is reused, a
+failed run is recorded and the experiment goes on. A service of the experiment's own that dies
+during a run is replaced and the run is run again (at most `MAX_GENERATOR_RESTARTS` times).
+Each run's figures (`run_figures`) come from its `metrics.jsonl` and `summary.json`.
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.experiments import load_config, log_tail, main_command, read_run, run_main
+from jaxrlhf.experiments import log_tail, main_command, read_run, run_main
+from jaxrlhf.experiments.services import SWAP_SETTINGS, SharedServices, parse_generators
 
 SETTINGS_FILE = "experiment.json"  # in each run's folder: the overrides it ran with
 # Held-out figures of summary.json: the validation split's (eval_*) and the test split's.
@@ -80,7 +80,8 @@ MAX_GENERATOR_RESTARTS = 3
 
 
 class Runner:
-    """Executes planned runs against one generator service (module docstring)."""
+    """Executes planned runs against generator services shared per swap setting (module
+    docstring)."""
 
     def __init__(
         self,
@@ -94,12 +95,11 @@ class Runner:
         keep_checkpoints: bool = False,
     ):
         self.config_file, self.out, self.name = config_file, out, name
-        self.address = generator_addresses
-        self.cpus_generator = cpus_generator
+        self.services = SharedServices(
+            config_file, out, given_generators(generator_addresses), cpus=cpus_generator
+        )
         self.rerun, self.report_only = rerun, report_only
         self.keep_checkpoints = keep_checkpoints
-        self.server = None
-        self.server_swaps: tuple[str, str] | None = None  # the started service's swap flags
         self.generator_restarts = 0
 
     def needs_run(self, run: PlannedRun) -> bool:
@@ -151,17 +151,23 @@ class Runner:
 
     def _execute(self, run: PlannedRun) -> tuple[int, float]:
         while True:
-            self._ensure_generator(run)
+            address = self.services.address(run.overrides)
             if run.folder.exists():
                 shutil.rmtree(run.folder)
-            command = main_command(
-                self.config_file, {**run.overrides, "generator.addresses": self.address}
-            )
+            overrides = {**run.overrides, "generator.addresses": address}
+            command = main_command(self.config_file, overrides)
             returncode, seconds = run_main(command, run.folder / "run.log")
-            if returncode == 0 or not self._generator_died():
+            dead = self.services.died(address)
+            if returncode == 0 or dead is None:
                 break
             print(f"[{self.name}] the generator service died during the run: it is run again "
                   f"on a new one", flush=True)  # fmt: skip
+            if self.generator_restarts >= MAX_GENERATOR_RESTARTS:
+                sys.exit(f"the generator service exited (restarted {self.generator_restarts} "
+                         f"times already):\n{dead.log_tail()}")  # fmt: skip
+            print(f"[{self.name}] the generator service exited; starting a new one:\n"
+                  f"{dead.log_tail()}", flush=True)  # fmt: skip
+            self.generator_restarts += 1
         if returncode == 0:
             (run.folder / SETTINGS_FILE).write_text(json.dumps(run.overrides, indent=2))
         else:
@@ -170,51 +176,16 @@ class Runner:
             shutil.rmtree(run.folder / "checkpoints", ignore_errors=True)
         return returncode, seconds
 
-    def _generator_died(self) -> bool:
-        return self.server is not None and self.server.process.poll() is not None
-
-    def _ensure_generator(self, run: PlannedRun) -> None:
-        """Starts the experiment's service, or a new one when it died (at most
-        `MAX_GENERATOR_RESTARTS` times: one that keeps dying stops the experiment)."""
-        if self._generator_died():
-            tail = self.server.log_tail()
-            if self.generator_restarts >= MAX_GENERATOR_RESTARTS:
-                sys.exit(f"the generator service exited (restarted {self.generator_restarts} "
-                         f"times already):\n{tail}")  # fmt: skip
-            print(f"[{self.name}] the generator service exited; starting a new one:\n{tail}",
-                  flush=True)  # fmt: skip
-            self.generator_restarts += 1
-            self.server = self.address = None
-        swaps = self._swap_flags(run.overrides)
-        if self.server is not None and self.server_swaps != swaps:
-            # The run asks for another swap mode (`generator.swap_mode`): a service in it.
-            self.close()
-            self.address = None
-        if not self.address:
-            self.server = self._start_generator(run.overrides)
-            self.address, self.server_swaps = self.server.address, swaps
-
-    def _swap_flags(self, overrides: dict[str, Any]) -> tuple[str, str]:
-        gen = load_config(self.config_file, overrides).generator
-        return gen.swap_mode, gen.in_flight_kv
-
-    def _start_generator(self, overrides: dict[str, Any]):
-        """One service for every run, with the runs' engine settings."""
-        from jaxrlhf.models.paths import resolve_model
-        from jaxrlhf.rl.service import engine_args, start_server
-
-        config = load_config(self.config_file, overrides)
-        gen = config.generator
-        cpus = [int(c) for c in self.cpus_generator.split(",")] if self.cpus_generator else None
-        log = self.out / ("generator.log" if not self.generator_restarts
-                          else f"generator-{self.generator_restarts}.log")  # fmt: skip
-        print(f"[{self.name}] starting a generator service (log: {log})", flush=True)
-        return start_server(resolve_model(config.model.path), log, engine_args(gen), cpus=cpus)
-
     def close(self) -> None:
-        if self.server is not None:
-            self.server.terminate()
-            self.server = None
+        self.services.close()
+
+
+def given_generators(text: str) -> dict[str, str]:
+    """`--generator-addresses`: one HOST:PORT for every run (each run checks that the service
+    swaps as its config says), or SETTING=HOST:PORT,... per swap setting (`parse_generators`)."""
+    if "=" in text:
+        return parse_generators(text)
+    return {setting: text for setting in SWAP_SETTINGS} if text.strip() else {}
 
 
 def runner_from_args(args, name: str) -> tuple[Runner, Path]:
@@ -238,8 +209,10 @@ def add_runner_arguments(parser) -> None:
     parser.add_argument("--cpus-generator", default="", help='e.g. "1" (default: not pinned)')
     parser.add_argument("--cpus-learner", default="", help='e.g. "0" (default: not pinned)')
     parser.add_argument(
-        "--generator-addresses", default="", help="use running services instead of starting one"
-    )
+        "--generator-addresses", default="",
+        help="use running services instead of starting them: HOST:PORT for every run, or "
+             "SETTING=HOST:PORT,... per swap setting (drain, in-flight-keep, in-flight-recompute)",
+    )  # fmt: skip
     parser.add_argument("--rerun", action="store_true", help="rerun runs already finished")
     parser.add_argument("--keep-checkpoints", action="store_true")
     parser.add_argument(

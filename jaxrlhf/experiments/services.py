@@ -55,9 +55,16 @@ def parse_generators(text: str) -> dict[str, str]:
 class SharedServices:
     """The address a run's `generator.addresses` should be (module docstring)."""
 
-    def __init__(self, config_file: Path, out: Path, given: dict[str, str] | None = None):
+    def __init__(
+        self,
+        config_file: Path,
+        out: Path,
+        given: dict[str, str] | None = None,
+        cpus: str | None = None,
+    ):
         self.config_file, self.out = config_file, out
         self.given = dict(given or {})
+        self.cpus = cpus  # the services' cores, in place of the runs' generator.cpus
         self.started: dict[tuple, Any] = {}  # (model, engine options) -> ServerProcess
         self.starts = 0
 
@@ -77,9 +84,17 @@ class SharedServices:
             log = self.out / f"generator-{setting}-{self.starts}.log"
             self.starts += 1
             print(f"starting a generator service ({setting}; log: {log})", flush=True)
-            cpus = [int(c) for c in gen.cpus.split(",")] if gen.cpus else None
+            cores = gen.cpus if self.cpus is None else self.cpus
+            cpus = [int(c) for c in cores.split(",")] if cores else None
             server = self.started[key] = start_server(model, log, options, cpus=cpus)
         return server.address
+
+    def died(self, address: str) -> Any:
+        """The started service at `address` if it has exited (its log tells why), else None."""
+        for server in self.started.values():
+            if server.address == address and server.process.poll() is not None:
+                return server
+        return None
 
     def close(self) -> None:
         for server in self.started.values():
