@@ -41,33 +41,28 @@ def in_flight_server(tiny_llama, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_offpolicy_experiment_runs(generator_address, tmp_path):
-    out = run(["-m", "jaxrlhf.experiments.offpolicy", "--model", "tiny", "--losses", "rloo",
-               "--mini-batches", "1,2", "--steps", "2", "--seeds", "0", "--out", str(tmp_path),
-               "--generator-addresses", generator_address, *QUICK])  # fmt: skip
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert [(c["num_mini_batches"], c["seeds"]) for c in results["cells"]] == [(1, 1), (2, 1)]
-    assert all(math.isfinite(c["test_accuracy_end"]) for c in results["cells"])
-    assert [r["staleness_max"] for r in results["runs"]] == [0, 1]
-    assert "| rloo | 2 | 1 |" in out and (tmp_path / "offpolicy.png").exists()
-
-
-@pytest.mark.slow
-def test_an_experiment_replaces_its_dead_generator(tmp_path):
+def test_offpolicy_experiment_runs_and_replaces_its_dead_generator(tmp_path, own_generator):
     # The experiment starts its own service; a failpoint (read by that service from the
-    # inherited environment) SIGKILLs it in the middle of the run's first Generate. The run
-    # fails (no replica within 5 s), the runner starts a new service and runs it again.
+    # inherited environment) SIGKILLs it in the middle of the first run's first Generate. That
+    # run fails (no replica within 5 s), the runner starts a new service and runs it again, and
+    # the second run uses the new service.
     failpoints = tmp_path / "failpoints"
     failpoints.write_text("generate_completion 1 kill\n")
     env = {"JAXRLHF_FAILPOINTS": str(failpoints), "VLLM_CPU_KVCACHE_SPACE": "1"}
     out = run(["-m", "jaxrlhf.experiments.offpolicy", "--model", "tiny", "--losses", "rloo",
-               "--mini-batches", "1", "--steps", "1", "--seeds", "0", "--out", str(tmp_path / "x"),
-               "--config.generator.no_replica_timeout_s=5", *QUICK], env=env)  # fmt: skip
+               "--mini-batches", "1,2", "--steps", "2", "--seeds", "0", "--out",
+               str(tmp_path / "x"), "--config.generator.no_replica_timeout_s=5", *QUICK],
+              env=env)  # fmt: skip
     assert not failpoints.exists()  # it fired
     assert "the generator service died during the run: it is run again" in out
     assert "the generator service exited; starting a new one" in out
+    assert out.count("starting a generator service") == 2  # the first, then its replacement
     results = json.loads((tmp_path / "x" / "results.json").read_text())
-    assert [(c["seeds"], c["failed"]) for c in results["cells"]] == [(1, 0)]
+    assert [(c["num_mini_batches"], c["seeds"], c["failed"]) for c in results["cells"]] == [
+        (1, 1, 0), (2, 1, 0)]  # fmt: skip
+    assert all(math.isfinite(c["test_accuracy_end"]) for c in results["cells"])
+    assert [r["staleness_max"] for r in results["runs"]] == [0, 1]
+    assert "| rloo | 2 | 1 |" in out and (tmp_path / "x" / "offpolicy.png").exists()
 
 
 @pytest.mark.slow
