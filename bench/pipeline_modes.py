@@ -40,7 +40,9 @@ nothing is generated after it); per mode, the mean ± standard error of those ov
   wait_for_generation_s (there generation and learning never overlap, so each is alone);
   efficiency = rate ÷ ideal;
 - generator_occupancy (requests generating ÷ capacity), learner_idle_fraction (waiting for a
-  batch ÷ step), token staleness mean and max (over the window's steps).
+  batch ÷ step), token staleness mean and max (over the window's steps);
+- the publish's seconds (weight_sync_s) and the learner's wait on it (publish_blocked_s: with
+  `generator.publish_in_background`, the default, a publish runs beside the next step).
 
 Prints one JSON line, then a table; writes the JSON to `{out}/results.json`.
 """
@@ -92,6 +94,8 @@ FIGURES = (  # (label, key, how the window's steps are combined)
     ("generation per batch (s)", "generate_s", "mean"),
     ("generator occupancy", "generator_occupancy", "mean"),
     ("learner idle fraction", "learner_idle_fraction", "mean"),
+    ("publish (s)", "weight_sync_s", "mean"),
+    ("learner waiting on publish (s)", "publish_blocked_s", "mean"),
     ("token staleness (mean)", "token_staleness_mean", "mean"),
     ("token staleness (max)", "token_staleness_max", "max"),
 )

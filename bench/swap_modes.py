@@ -19,8 +19,10 @@ Per run, means over the steady-state steps `warmup+1 .. steps-1` of metrics.json
 step is left out: no batch is generated after it, so its publish never waits in any mode):
 
 - time per update: step_s;
-- learner idle: wait_for_generation_s (waiting for the next batch) + weight_sync_s (the publish,
-  which in drain mode returns only once the running generation has finished), and each part;
+- learner idle: wait_for_generation_s (waiting for the next batch) + publish_blocked_s (waiting
+  on the publish, which in drain mode returns only once the running generation has finished;
+  weight_sync_s in records older than it), and each part, with the publish's own seconds
+  (weight_sync_s: with `generator.publish_in_background` it runs beside the learner's step);
 - generator idle: generator_idle_s, the seconds within the step during which the generator
   generated nothing (no request running, or paused for a swap; from GetStatus.idle_seconds), and
   generator_requests_mean, the requests it was generating on average, and generator_occupancy,
@@ -54,7 +56,8 @@ FIGURES = (
     ("time per update (s)", "step_s"),
     ("learner idle (s)", "learner_idle_s"),
     ("  waiting for a batch", "wait_for_generation_s"),
-    ("  publishing", "weight_sync_s"),
+    ("  waiting on publishing", "publish_blocked_s"),
+    ("publish (s)", "weight_sync_s"),
     ("generator idle (s)", "generator_idle_s"),
     ("generator requests (mean)", "generator_requests_mean"),
     ("generator occupancy", "generator_occupancy"),
@@ -65,6 +68,11 @@ FIGURES = (
 )
 
 
+def _blocked(record: dict[str, Any]) -> float:
+    """The learner's wait on publishing (weight_sync_s in records older than the field)."""
+    return record.get("publish_blocked_s", record["weight_sync_s"])
+
+
 def run_figures(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     last = max(r["step"] for r in records)
     window = [r for r in records if warmup < r["step"] < last]
@@ -73,7 +81,9 @@ def run_figures(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     out = {}
     for _, key in FIGURES:
         if key == "learner_idle_s":
-            values = [r["wait_for_generation_s"] + r["weight_sync_s"] for r in window]
+            values = [r["wait_for_generation_s"] + _blocked(r) for r in window]
+        elif key == "publish_blocked_s":
+            values = [_blocked(r) for r in window]
         else:
             values = [r[key] for r in window]
         out[key] = sum(values) / len(values)

@@ -175,6 +175,10 @@ def base_config() -> ml_collections.ConfigDict:
         # How weights reach the generators: "auto" = through a shared-memory file when every
         # generator runs on this host, else streamed over gRPC; "stream"; "shared".
         weight_transport="auto",
+        # Publish version v from a copy of v's parameters (one more copy of the policy on the
+        # learner's devices, in the published dtype) in a thread, beside the learner's next
+        # step, instead of in it (jaxrlhf.rl.publisher). One-process learners only.
+        publish_in_background=True,
         # How a generator this run starts swaps weights (`python -m generator_service
         # --swap-mode`): "drain" (a swap waits for running calls; a sample never spans one) or
         # "in-flight" (running requests continue on the new weights: a sample's tokens may

@@ -394,7 +394,8 @@ def test_swap_modes_figures_by_hand():
 
     def record(step, wait, sync, staleness):
         return {"step": step, "step_s": 1.0 + step, "wait_for_generation_s": wait,
-                "weight_sync_s": sync, "generator_idle_s": 0.1, "generator_requests_mean": 8.0,
+                "weight_sync_s": sync, "publish_blocked_s": sync / 2,
+                "generator_idle_s": 0.1, "generator_requests_mean": 8.0,
                 "generator_occupancy": 0.5, "generate_s": 0.9, "train_s": 0.2,
                 "token_staleness_mean": staleness,
                 "mixed_version_fraction": 1.0 - staleness}  # fmt: skip
@@ -403,7 +404,9 @@ def test_swap_modes_figures_by_hand():
              record(4, 0.0, 0.0, 1.0)]  # fmt: skip
     figures = swap_modes.run_figures(drain, warmup=1)  # steps 2 and 3; the last is left out
     assert figures["step_s"] == pytest.approx(3.5)
-    assert figures["learner_idle_s"] == pytest.approx((0.5 + 0.4) / 2)
+    assert figures["learner_idle_s"] == pytest.approx((0.25 + 0.25) / 2)  # wait + blocked
+    assert figures["publish_blocked_s"] == pytest.approx(0.2)
+    assert figures["weight_sync_s"] == pytest.approx(0.4)  # beside the step, in part
     with pytest.raises(ValueError, match="at least warmup"):
         swap_modes.run_figures(drain, warmup=3)
     in_flight = [{**figures, "step_s": 3.0, "token_staleness_mean": 0.25},

@@ -9,6 +9,20 @@ replicas that answer again (`wait`).
 
 Over several processes (`jaxrlhf.distributed`) every process holds a Publisher and takes part
 in each publish (each gathers its tensors); only the driver's has a pool (None elsewhere).
+
+In the background (`generator.publish_in_background`, one process): a due publish of version v
+copies v's parameters on their devices (cast to the published dtype; the next train step
+donates the learner's own) and sends the copy from a thread while the learner goes on with its
+next step. At most one publish is in flight: the next due one, a checkpoint, an evaluation, a
+rejoin and the end of the run wait for it first (`finish`). The staleness rule is unchanged: a
+batch that needs v waits until v is served (`producer.publish(v)`, from the thread). Per step
+(`take_times`): `weight_sync_s`, the seconds of the publishes the learner saw finish during the
+step (in the background: the one an earlier update started, when the learner next needs it
+done), and `publish_blocked_s`, the seconds the learner waited on publishing (the copy, and a
+publish still running when it needed it done). Without the background, both are the
+publish's seconds. Over several processes a publish stays in the
+learner's step: each process gathers its part with the others, which a thread beside the next
+step's collectives could not do in the same order.
 """
 
 from __future__ import annotations
@@ -17,6 +31,8 @@ import concurrent.futures
 import dataclasses
 import time
 from typing import Any
+
+import jax
 
 from jaxrlhf.distributed import broadcast, driven_streams
 from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors
@@ -34,11 +50,13 @@ def publish(
     dtype: str | None,
     rollback=False,
     rejoining_only: bool = False,
+    params=None,
 ):
-    """Publishes the policy as `version` (to the replicas that rejoin only, with
-    `rejoining_only`); every process gathers its tensors (one at a time), the driver sends them
-    (`distributed.driven_streams`). Returns the driver's PublishStats."""
-    policy_params = learner.state.params["policy"]
+    """Publishes the policy (`params`, by default the learner's) as `version` (to the replicas
+    that rejoin only, with `rejoining_only`); every process gathers its tensors (one at a
+    time), the driver sends them (`distributed.driven_streams`). Returns the driver's
+    PublishStats."""
+    policy_params = learner.state.params["policy"] if params is None else params
     specs = hf_tensor_specs(learner.policy, policy_params, dtype)
     return driven_streams(
         lambda: iter_hf_tensors(learner.policy, policy_params, dtype),
@@ -53,6 +71,17 @@ def publish_due(updates: int, cfg) -> bool:
     return updates % cfg.sync_every == 0 or updates == cfg.total_steps
 
 
+def device_copy(params, dtype: str | None):
+    """A copy of `params` on their devices, cast to `dtype` (None: as they are)."""
+    from jaxrlhf.models.safetensors_io import numpy_dtype
+
+    target = numpy_dtype(dtype) if dtype else None
+    return jax.tree.map(
+        lambda a: a.astype(target) if target is not None and a.dtype != target else a.copy(),
+        params,
+    )
+
+
 @dataclasses.dataclass
 class Publisher:
     learner: Learner
@@ -64,27 +93,76 @@ class Publisher:
     # Whether the next publish may go to replicas serving a newer version (the first publish
     # after resuming between two publishes).
     rollback: bool = False
+    background: bool = False  # publish beside the next train step (module docstring)
+    _pending: concurrent.futures.Future | None = dataclasses.field(default=None, repr=False)
+    _thread: concurrent.futures.ThreadPoolExecutor | None = dataclasses.field(
+        default=None, repr=False
+    )
+    _sync_s: float = 0.0  # seconds of the publishes finished since the last take_times
+    _blocked_s: float = 0.0  # seconds the learner waited on publishing since then
 
     def send(self, rollback: bool = False, rejoining_only: bool = False):
         """Publishes the learner's weights as its `version` now (module docstring)."""
+        self.finish()
         return publish(self.learner, self.pool, self.version, self.dtype, rollback,
                        rejoining_only)  # fmt: skip
 
-    def after_update(self, cfg, producer) -> float:
+    def after_update(self, cfg, producer) -> None:
         """The learner took one update: its version moves on, and the weights are published
         when due (`publish_due`), once the producer has admitted every batch that may run on
-        the served ones. Returns the publish's seconds (0 when none was due)."""
+        the served ones; in the background with `background` (module docstring)."""
         self.version += 1
         if not publish_due(self.version - self.base_version, cfg):
-            return 0.0
+            return
+        self.finish()
         if producer is not None:
             producer.wait_admitted()
         started = time.perf_counter()
-        stats = self.send(rollback=self.rollback)
+        version, rollback, self.rollback = self.version, self.rollback, False
+        if not self.background:
+            self._sync_s += self._publish(None, version, rollback, producer, started)
+            self._blocked_s += time.perf_counter() - started
+            return
+        params = device_copy(self.learner.state.params["policy"], self.dtype)
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="publish")
+        self._pending = self._thread.submit(self._publish, params, version, rollback, producer,
+                                            started)  # fmt: skip
+        self._blocked_s += time.perf_counter() - started
+
+    def _publish(self, params, version: int, rollback: bool, producer, started: float) -> float:
+        """Sends `params` (None: the learner's) as `version`; returns its seconds."""
+        stats = publish(self.learner, self.pool, version, self.dtype, rollback, params=params)
         if producer is not None:
-            producer.publish(self.version)
-        self.published, self.rollback = self.version, False
+            producer.publish(version)
+        self.published = version
         return stats.seconds if stats is not None else time.perf_counter() - started
+
+    def finish(self) -> None:
+        """Waits for the publish in flight, if any (re-raising its error)."""
+        if self._pending is None:
+            return
+        started = time.perf_counter()
+        try:
+            self._sync_s += self._pending.result()
+        finally:
+            self._pending = None
+            self._blocked_s += time.perf_counter() - started
+
+    def take_times(self) -> dict[str, float]:
+        """weight_sync_s and publish_blocked_s since the last call (module docstring)."""
+        times = {"weight_sync_s": self._sync_s, "publish_blocked_s": self._blocked_s}
+        self._sync_s = self._blocked_s = 0.0
+        return times
+
+    def close(self) -> None:
+        """Finishes the publish in flight; the thread ends."""
+        try:
+            self.finish()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown()
+                self._thread = None
 
     def next_batch(self, producer) -> Rollout:
         """The next batch (the driver's, on every process), rejoining replicas meanwhile."""
@@ -95,12 +173,15 @@ class Publisher:
         """The batches a checkpoint at the learner's version holds (`snapshot`; the driver's,
         on every process), rejoining replicas while they are generated: a batch that waits for
         a live replica completes only once one has the weights again."""
+        self.finish()
         poll = None if producer is None else lambda t: producer.snapshot(self.version, t)
         return self.wait(poll)
 
     def in_background(self, fn) -> Any:
         """fn() run by the driver (None elsewhere) in a thread, its result on every process,
-        rejoining replicas meanwhile: an evaluation waits for generation too."""
+        rejoining replicas meanwhile: an evaluation waits for generation too (and for the
+        learner's weights to be served)."""
+        self.finish()
         if fn is None:
             return self.wait(None)
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evaluation") as thread:

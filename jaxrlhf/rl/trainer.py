@@ -288,6 +288,7 @@ def save_checkpoint(checkpointer, step: int, cfg, publisher: Publisher, producer
     """The learner's state, with what a resumed run needs besides: the versions, the
     evaluations before training, and the batches generated on weights the checkpoint does not
     hold and not trained on yet (none at the end)."""
+    publisher.finish()  # the versions below are settled
     held = [] if step == cfg.total_steps else publisher.checkpoint_batches(producer)
     meta = {
         "step": step,
@@ -315,6 +316,7 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
     checkpointer = Checkpointer(out / "checkpoints", cfg.checkpoint.every)
     start = begin(cfg, learner, pool, model_path, checkpointer, log)
     publisher = start.publisher
+    publisher.background = cfg.generator.publish_in_background and jax.process_count() == 1
     writer = (
         MetricsWriter(out, cfg.total_steps, start.step, resume=start.step > 0) if driver else None
     )
@@ -335,7 +337,10 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
             records.append({"step": step, **record})
             if step == cfg.total_steps or checkpointer.due(step):
                 save_checkpoint(checkpointer, step, cfg, publisher, producer, at_start)
+        publisher.finish()
     finally:
+        with contextlib.suppress(Exception):  # finished above unless the loop failed
+            publisher.close()
         if driver:
             producer.close()
             writer.close()
@@ -450,7 +455,7 @@ def train_one_step(
     rollout = publisher.next_batch(producer)
     wait_s = time.perf_counter() - t0
     learned = learner.learn(rollout, task)
-    sync_s = publisher.after_update(cfg, producer)
+    publisher.after_update(cfg, producer)
     version = publisher.version
     staleness = staleness_metrics(rollout, version - 1)
     step_s = time.perf_counter() - t0
@@ -466,7 +471,9 @@ def train_one_step(
         "generation_tokens_per_s": rollout.num_tokens / max(rollout.generate_seconds, 1e-9),
         "wait_for_generation_s": wait_s,
         "generate_s": rollout.generate_seconds,  # from the batch's first call to its last end
-        "weight_sync_s": sync_s,
+        # The publishes that finished (in the background: the one the previous update
+        # started) and how long the learner waited on publishing (jaxrlhf.rl.publisher).
+        **publisher.take_times(),
         "step_s": step_s,
         # The share of the step the learner waited for its batch (nothing else to do).
         "learner_idle_fraction": wait_s / step_s if step_s > 0 else 0.0,

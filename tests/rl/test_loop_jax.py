@@ -60,11 +60,14 @@ def mini_batch_config(output_dir, resume: bool = False):
 def test_resume_between_publishes_is_bit_exact(setup, tmp_path):
     """Checkpoint at update 2 (the generator serves version 0, the learner is at 2), stopped
     after publishing 4, resumed: the final train state equals an uninterrupted run's bit for
-    bit, every step's record matches, and the resumed run published only versions 4 and 6."""
+    bit, every step's record matches, and the resumed run published only versions 4 and 6.
+    The uninterrupted run publishes in its steps, the others in the background
+    (`generator.publish_in_background`): that changes no sample, no update and no weight."""
     model_dir, task, ids = setup
     full = JaxGenerator(model_dir, *ids)
-    within(RUN_S, lambda: run_rlhf(mini_batch_config(tmp_path / "full"), model_dir, task, full,
-                                   lambda message: None))  # fmt: skip
+    config = mini_batch_config(tmp_path / "full")
+    config.generator.publish_in_background = False
+    within(RUN_S, lambda: run_rlhf(config, model_dir, task, full, lambda message: None))
     assert sorted(full.published) == [4, 6]
 
     stopped = StoppingGenerator(4, model_dir, *ids)
