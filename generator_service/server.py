@@ -61,6 +61,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self._health = health_servicer
         # One update at a time: they share the staging file, and versions apply in order.
         self._update_lock = asyncio.Lock()
+        # The last successful update's (stage, pause) seconds, for GetStatus.
+        self.last_swap: tuple[float, float] = (0.0, 0.0)
         self._staging: StagingFile | None = None  # created by the first update
 
     async def Generate(self, request: generator_pb2.GenerateRequest, context):
@@ -142,6 +144,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 pause_seconds = await self._engine.swap_weights(
                     staging.path, tensors, assembler.policy_version, assembler.allow_rollback
                 )
+                self.last_swap = (received_seconds, pause_seconds)
             except WeightUpdateError as error:
                 logger.warning("weight update refused: %s", error.message)
                 await context.abort(error.code, error.message)
@@ -170,6 +173,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             num_bytes=assembler.num_bytes,
             seconds=seconds,
             pause_seconds=pause_seconds,
+            stage_seconds=received_seconds,
         )
 
     async def UpdateWeightsShared(
@@ -200,10 +204,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     shared_file_size(path),
                     request.allow_rollback,
                 )
+                checked_seconds = time.monotonic() - started
                 failpoints.hit("update_weights")  # (chaos tests only)
                 pause_seconds = await self._engine.swap_weights(
                     path, tensors, request.policy_version, request.allow_rollback
                 )
+                self.last_swap = (checked_seconds, pause_seconds)
             except WeightUpdateError as error:
                 logger.warning("shared weight update refused: %s", error.message)
                 await context.abort(error.code, error.message)
@@ -227,6 +233,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             num_bytes=num_bytes,
             seconds=seconds,
             pause_seconds=pause_seconds,
+            stage_seconds=checked_seconds,
         )
 
     def close(self) -> None:
@@ -259,6 +266,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             request_seconds=request_seconds,
             max_num_seqs=engine.max_num_seqs,
             occupancy=engine.occupancy.fraction(),
+            stage_seconds=self.last_swap[0],
+            pause_seconds=self.last_swap[1],
         )
 
     async def _publish_health(self) -> None:

@@ -496,6 +496,7 @@ class GeneratorPool:
             seconds=time.perf_counter() - started,
             attempts=attempt,
             pause_seconds=max((r.pause_seconds for r in responses), default=0.0),
+            stage_seconds=max((r.stage_seconds for r in responses), default=0.0),
             swapped=tuple(swapped),
             failed=tuple(failures),
         )

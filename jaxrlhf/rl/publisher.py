@@ -20,9 +20,12 @@ batch that needs v waits until v is served (`producer.publish(v)`, from the thre
 step (in the background: the one an earlier update started, when the learner next needs it
 done), and `publish_blocked_s`, the seconds the learner waited on publishing (the copy, and a
 publish still running when it needed it done). Without the background, both are the
-publish's seconds. Over several processes a publish stays in the
-learner's step: each process gathers its part with the others, which a thread beside the next
-step's collectives could not do in the same order.
+publish's seconds. `generator_pause_s`: for the publishes of `weight_sync_s`, the time the
+generators held generation back to swap (the longest replica's, summed over publishes).
+
+Over several processes a publish stays in the learner's step: each process gathers its part
+with the others, which a thread beside the next step's collectives could not do in the same
+order.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ class Publisher:
     )
     _sync_s: float = 0.0  # seconds of the publishes finished since the last take_times
     _blocked_s: float = 0.0  # seconds the learner waited on publishing since then
+    _pause_s: float = 0.0  # the generators' pauses for those publishes (the longest each)
 
     def send(self, rollback: bool = False, rejoining_only: bool = False):
         """Publishes the learner's weights as its `version` now (module docstring)."""
@@ -120,7 +124,7 @@ class Publisher:
         started = time.perf_counter()
         version, rollback, self.rollback = self.version, self.rollback, False
         if not self.background:
-            self._sync_s += self._publish(None, version, rollback, producer, started)
+            self._add(self._publish(None, version, rollback, producer, started))
             self._blocked_s += time.perf_counter() - started
             return
         params = device_copy(self.learner.state.params["policy"], self.dtype)
@@ -130,13 +134,20 @@ class Publisher:
                                             started)  # fmt: skip
         self._blocked_s += time.perf_counter() - started
 
-    def _publish(self, params, version: int, rollback: bool, producer, started: float) -> float:
-        """Sends `params` (None: the learner's) as `version`; returns its seconds."""
+    def _publish(self, params, version: int, rollback: bool, producer, started: float):
+        """Sends `params` (None: the learner's) as `version`; returns (its seconds, the
+        generators' longest pause)."""
         stats = publish(self.learner, self.pool, version, self.dtype, rollback, params=params)
         if producer is not None:
             producer.publish(version)
         self.published = version
-        return stats.seconds if stats is not None else time.perf_counter() - started
+        if stats is None:  # another process's, or a test's
+            return time.perf_counter() - started, 0.0
+        return stats.seconds, stats.pause_seconds
+
+    def _add(self, times: tuple[float, float]) -> None:
+        self._sync_s += times[0]
+        self._pause_s += times[1]
 
     def finish(self) -> None:
         """Waits for the publish in flight, if any (re-raising its error)."""
@@ -144,15 +155,17 @@ class Publisher:
             return
         started = time.perf_counter()
         try:
-            self._sync_s += self._pending.result()
+            self._add(self._pending.result())
         finally:
             self._pending = None
             self._blocked_s += time.perf_counter() - started
 
     def take_times(self) -> dict[str, float]:
-        """weight_sync_s and publish_blocked_s since the last call (module docstring)."""
-        times = {"weight_sync_s": self._sync_s, "publish_blocked_s": self._blocked_s}
-        self._sync_s = self._blocked_s = 0.0
+        """weight_sync_s, publish_blocked_s and generator_pause_s since the last call (module
+        docstring)."""
+        times = {"weight_sync_s": self._sync_s, "publish_blocked_s": self._blocked_s,
+                 "generator_pause_s": self._pause_s}  # fmt: skip
+        self._sync_s = self._blocked_s = self._pause_s = 0.0
         return times
 
     def close(self) -> None:

@@ -186,6 +186,11 @@ def test_shared_update_swaps_weights_and_version(client, served, reference):
         served.record(version, new)
     assert response.policy_version == version and response.num_tensors == len(new)
     assert response.num_bytes == sum(value.nbytes for value in new.values())
+    assert response.pause_seconds > 0 and response.stage_seconds > 0
+    assert response.seconds >= response.stage_seconds + response.pause_seconds
+    status = client.status()
+    assert (status.stage_seconds, status.pause_seconds) == (
+        response.stage_seconds, response.pause_seconds)  # fmt: skip
     tokens, versions = greedy(client)
     assert versions == {version}
     assert tokens == [reference.greedy(new, prompt, 12) for prompt in served.initial_prompts]

@@ -86,7 +86,8 @@ def test_loss_runs_through_generator(loss, max_staleness, tiny_llama, generator_
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     required = {"step", "policy_version", "reward_mean", "loss", "staleness_mean",
                 "staleness_max", "generation_tokens_per_s", "train_tokens_per_s",
-                "wait_for_generation_s", "weight_sync_s", "publish_blocked_s"}  # fmt: skip
+                "wait_for_generation_s", "weight_sync_s", "publish_blocked_s",
+                "generator_pause_s"}  # fmt: skip
     # The KL to the reference is logged when the run has one (the loss uses it).
     if get_loss_spec(loss).needs_reference(config.loss_params):
         required.add("kl")
@@ -100,8 +101,12 @@ def test_offpolicy_test_bed_staleness_pattern(tiny_llama, generator_address, tmp
     config = tiny_rl_config(tmp_path, "online_dpo", max_staleness=1, total_steps=4, sync_every=2)
     base, final, result = run(config, tiny_llama, generator_address)
     assert [r["staleness_max"] for r in result.metrics] == [0, 1, 0, 1]
+    # Publishes after updates 2 and 4, in the background: the learner waits for the copy at 2,
+    # for the publish of 2 at 4 (where its seconds and the generator's pause are counted).
     published = [r["publish_blocked_s"] > 0 for r in result.metrics]
     assert published == [False, True, False, True]
+    assert [r["weight_sync_s"] > 0 for r in result.metrics] == [False, False, False, True]
+    assert [r["generator_pause_s"] > 0 for r in result.metrics] == [False, False, False, True]
 
 
 @pytest.mark.slow
