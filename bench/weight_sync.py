@@ -18,7 +18,9 @@ In-process = `LLM.collective_rpc("reload_weights", weights_iterator=...)` on the
 already in memory (the paper's in-process copy, without conversion or that repack). `convert_s`
 is the conversion alone (iterating `iter_hf_tensors` and making each tensor contiguous, the
 one copy every consumer makes); `{transport}_pause_s` is the part of the update during which the
-service paused generation (reload, tied-head repack, prefix-cache reset). Prints one JSON line
+service paused generation (reload, tied-head repack, prefix-cache reset), `{transport}_stage_s`
+the part before it, while generation could go on (receiving and checking the update), and
+`{transport}_pause_over_in_process` the pause ÷ the in-process reload. Prints one JSON line
 per dtype: medians over the repeats (the first update of a server is the slowest: its files and
 buffers are new), and the fastest repeat of each.
 """
@@ -106,6 +108,7 @@ def main() -> None:
         pools = {t: GeneratorPool([server.address], transport=t) for t in ("stream", "shared")}
         times: dict[str, list[float]] = {t: [] for t in pools}
         pauses: dict[str, list[float]] = {t: [] for t in pools}
+        stages: dict[str, list[float]] = {t: [] for t in pools}
         try:
             pools["stream"].wait_until_serving()
             version = 0
@@ -118,6 +121,7 @@ def main() -> None:
                     )  # fmt: skip
                     times[transport].append(stats.seconds)
                     pauses[transport].append(stats.pause_seconds)
+                    stages[transport].append(stats.stage_seconds)
         finally:
             for pool in pools.values():
                 pool.close()
@@ -136,6 +140,10 @@ def main() -> None:
             row[f"{transport}_gb_per_s"] = round(num_bytes / median / 1e9, 3)
             row[f"{transport}_ratio_over_in_process"] = round(median / reload_s, 2)
             row[f"{transport}_pause_s"] = round(statistics.median(pauses[transport]), 3)
+            row[f"{transport}_stage_s"] = round(statistics.median(stages[transport]), 3)
+            row[f"{transport}_pause_over_in_process"] = round(
+                statistics.median(pauses[transport]) / reload_s, 2
+            )
         print(json.dumps(row), flush=True)
 
 
