@@ -420,8 +420,9 @@ def test_swap_modes_figures_by_hand():
 
 
 def test_an_experiment_shares_one_service_per_swap_setting(tmp_path, monkeypatch):
-    """A run gets the service of its swap setting, started by the first run of that setting on
-    the experiment's cores and kept for the later ones; one that died is replaced."""
+    """A run gets a service in its swap setting, started on the experiment's cores and kept
+    for the next runs in that setting; one in another setting replaces it (one engine at a
+    time), and one that died is replaced."""
     import jaxrlhf.rl.service
     from jaxrlhf.experiments.runner import Runner
 
@@ -437,6 +438,7 @@ def test_an_experiment_shares_one_service_per_swap_setting(tmp_path, monkeypatch
             self.exit_code = -15
 
     def start_server(model, log, options, cpus=None):
+        assert all(s.exit_code is not None for s in started), "two engines at once"
         started.append(Server(options, cpus))
         return started[-1]
 
@@ -444,17 +446,18 @@ def test_an_experiment_shares_one_service_per_swap_setting(tmp_path, monkeypatch
     runner = Runner(REPO / "configs/tiny.py", tmp_path, "test", cpus_generator="1")
     drain, keep = {}, {"generator.swap_mode": "in-flight"}
     recompute = {**keep, "generator.in_flight_kv": "recompute"}
-    addresses = [runner.services.address(o) for o in (drain, keep, drain, recompute, keep)]
-    assert addresses == ["127.0.0.1:0", "127.0.0.1:1", "127.0.0.1:0", "127.0.0.1:2",
-                         "127.0.0.1:1"]  # fmt: skip
+    addresses = [runner.services.address(o) for o in (drain, drain, keep, keep, recompute)]
+    assert addresses == ["127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:1", "127.0.0.1:1",
+                         "127.0.0.1:2"]  # fmt: skip
     swap_flags = [s.options[s.options.index("--swap-mode") + 1] for s in started]
     assert swap_flags == ["drain", "in-flight", "in-flight"] and started[0].cpus == [1]
-    assert runner.services.died("127.0.0.1:1") is None
-    started[1].exit_code = -9
-    assert runner.services.died("127.0.0.1:1") is started[1]
-    assert runner.services.address(keep) == "127.0.0.1:3"  # a new one in its place
+    assert [s.exit_code for s in started] == [-15, -15, None]
+    assert runner.services.died("127.0.0.1:2") is None
+    started[2].exit_code = -9
+    assert runner.services.died("127.0.0.1:2") is started[2]
+    assert runner.services.address(recompute) == "127.0.0.1:3"  # a new one in its place
     runner.close()
-    assert all(s.exit_code == -15 for s in started if s is not started[1])
+    assert started[3].exit_code == -15
 
 
 def test_generators_of_a_bench_by_swap_setting(tmp_path):

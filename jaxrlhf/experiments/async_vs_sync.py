@@ -30,8 +30,9 @@ updates and at the end. Per variant and evaluation step: sync and async mean ± 
 over the seeds, and the paired difference async − sync (mean ± s.e.); "within noise" when
 |mean| ≤ 2 s.e. The variant with the best mean validation accuracy at the end (both modes) is
 marked chosen: its test figures are the ones to report. Each run is a plain `python -m
-jaxrlhf.main` in `{out}/{variant}/{sync|async|continuous}/seed{S}/` (one generator service per
-swap setting; see `jaxrlhf.experiments.runner`). Outputs: `{out}/results.json`,
+jaxrlhf.main` in `{out}/{variant}/{sync|async|continuous}/seed{S}/` (generator services
+shared by consecutive runs of a swap setting, one at a time; see
+`jaxrlhf.experiments.runner`). Outputs: `{out}/results.json`,
 `{out}/async_vs_sync.png` (test accuracy of both modes and their paired difference per variant
 and step, ± 1 s.e.; with `--async-mode continuous`: `results-continuous.json`,
 `continuous_vs_sync.png`) and a markdown table on stdout. The measured table and runtimes are

@@ -1,13 +1,15 @@
 """Many `python -m jaxrlhf.main` runs, one after another, against shared generator services.
 
 An experiment plans its runs (`PlannedRun`: the labels that place it in a table, a folder and
-its `--config.KEY=VALUE` overrides), and `Runner.run_all` executes them: the first run of a
-swap setting (`generator.swap_mode`, `generator.in_flight_kv`) starts one service that every
-later run of that setting shares (`jaxrlhf.experiments.services.SharedServices`: an engine start
-saved per run; each run publishes its initial weights first, since the service serves the
-previous run's), a run whose folder holds a finished run with the same overrides is reused, a
-failed run is recorded and the experiment goes on. A service of the experiment's own that dies
-during a run is replaced and the run is run again (at most `MAX_GENERATOR_RESTARTS` times).
+its `--config.KEY=VALUE` overrides), and `Runner.run_all` executes them. A run uses the service
+the previous run used when both have the same swap setting (`generator.swap_mode`,
+`generator.in_flight_kv`); otherwise that one is stopped and one is started in the run's own
+(`jaxrlhf.experiments.services.SharedServices`, one at a time: an experiment's model may be
+large). Each run that shares saves an engine start; it publishes its initial weights first,
+since the service serves the previous run's. A run whose folder holds a finished run with the
+same overrides is reused; a failed run is recorded and the experiment goes on. A service of
+the experiment's own that dies during a run is replaced and the run is run again (at most
+`MAX_GENERATOR_RESTARTS` times).
 Each run's figures (`run_figures`) come from its `metrics.jsonl` and `summary.json`.
 """
 
@@ -96,8 +98,9 @@ class Runner:
     ):
         self.config_file, self.out, self.name = config_file, out, name
         self.services = SharedServices(
-            config_file, out, given_generators(generator_addresses), cpus=cpus_generator
-        )
+            config_file, out, given_generators(generator_addresses), cpus=cpus_generator,
+            one_at_a_time=True,
+        )  # fmt: skip
         self.rerun, self.report_only = rerun, report_only
         self.keep_checkpoints = keep_checkpoints
         self.generator_restarts = 0

@@ -61,10 +61,14 @@ class SharedServices:
         out: Path,
         given: dict[str, str] | None = None,
         cpus: str | None = None,
+        one_at_a_time: bool = False,
     ):
         self.config_file, self.out = config_file, out
         self.given = dict(given or {})
         self.cpus = cpus  # the services' cores, in place of the runs' generator.cpus
+        # Stop the running service before starting one with other options: one engine's memory
+        # (on a GPU, two engines that each take most of its memory cannot both start).
+        self.one_at_a_time = one_at_a_time
         self.started: dict[tuple, Any] = {}  # (model, engine options) -> ServerProcess
         self.starts = 0
 
@@ -81,6 +85,8 @@ class SharedServices:
         key = (str(model), tuple(options))
         server = self.started.get(key)
         if server is None or server.process.poll() is not None:  # first use, or it died
+            if self.one_at_a_time:
+                self.close()
             log = self.out / f"generator-{setting}-{self.starts}.log"
             self.starts += 1
             print(f"starting a generator service ({setting}; log: {log})", flush=True)
