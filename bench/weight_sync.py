@@ -81,7 +81,14 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--address", default="",
+        help="a running service of --model in the one dtype of --dtypes, instead of starting "
+             "one (the versions sent follow the one it serves)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.address and "," in args.dtypes:
+        parser.error("--address serves one dtype: give one in --dtypes")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, load_pretrained
@@ -103,15 +110,21 @@ def main() -> None:
             for _name, array in iter_hf_tensors(model, params, dtype):
                 np.ascontiguousarray(array)  # the one copy every consumer makes
             convert_times.append(time.perf_counter() - start)
-        log = Path(tempfile.mkdtemp()) / "generator.log"
-        server = start_server(model_dir, log, ["--dtype", dtype, "--max-model-len", "256"])
-        pools = {t: GeneratorPool([server.address], transport=t) for t in ("stream", "shared")}
+        server, address = None, args.address
+        if not address:
+            log = Path(tempfile.mkdtemp()) / "generator.log"
+            server = start_server(model_dir, log, ["--dtype", dtype, "--max-model-len", "256"])
+            address = server.address
+        pools = {t: GeneratorPool([address], transport=t) for t in ("stream", "shared")}
         times: dict[str, list[float]] = {t: [] for t in pools}
         pauses: dict[str, list[float]] = {t: [] for t in pools}
         stages: dict[str, list[float]] = {t: [] for t in pools}
         try:
-            pools["stream"].wait_until_serving()
-            version = 0
+            (status,) = pools["stream"].wait_until_serving()
+            if status.dtype != dtype or Path(status.model).resolve() != model_dir.resolve():
+                raise SystemExit(f"{address} serves {status.model} in {status.dtype}, not "
+                                 f"{model_dir} in {dtype}")  # fmt: skip
+            version = status.policy_version
             for _ in range(args.repeats):
                 for transport, pool in pools.items():
                     version += 1
@@ -125,7 +138,8 @@ def main() -> None:
         finally:
             for pool in pools.values():
                 pool.close()
-            server.terminate()
+            if server is not None:
+                server.terminate()
         tensors = list(iter_hf_tensors(model, params, "float32"))
         reload_times = in_process_reload_seconds(model_dir, dtype, tensors, args.repeats)
         reload_s = statistics.median(reload_times)

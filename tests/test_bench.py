@@ -90,13 +90,13 @@ def test_generate_overhead(tiny_llama, generator_address):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_weight_sync(tiny_llama):
-    # A service of its own: the bench pushes new policy versions, which would break the
-    # bookkeeping of the suite's shared service.
+def test_weight_sync(tiny_llama, generator_address):
+    # The suite's running service (the learner runs that share it publish their own weights
+    # first); only the in-process engine starts here.
     (row,) = run_bench(
         [
             sys.executable, "bench/weight_sync.py", "--model", str(tiny_llama),
-            "--dtypes", "float32", "--repeats", "1",
+            "--dtypes", "float32", "--repeats", "1", "--address", generator_address,
         ],
         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
     )  # fmt: skip
