@@ -123,20 +123,23 @@ def test_swap_modes_bench_runs_each_mode_end_to_end(generator_address, in_flight
 
 
 @pytest.mark.slow
-def test_pipeline_modes_bench_runs_each_mode_end_to_end(in_flight_server, tmp_path):
-    """The three modes on a shortened long-tail workload: sync and one-step-off share the one
-    draining service the bench starts, continuous runs against the running in-flight service
-    it is given; every token within the bound, every response within its budget."""
+def test_pipeline_modes_bench_runs_each_mode_end_to_end(
+    generator_address, in_flight_server, tmp_path
+):
+    """The three modes on a shortened long-tail workload, against the running services it is
+    given: sync and one-step-off share the draining one, continuous runs on the in-flight one
+    (each run publishes its own weights first; starting services is the experiments' runner's
+    path, tested by the offpolicy smoke); every token within the bound, every response within
+    its budget."""
+    generators = f"drain={generator_address},in-flight-keep={in_flight_server.address}"
     out = run(["bench/pipeline_modes.py", "--workload", "long-tail", "--steps", "3",
-               "--warmup", "1", "--out", str(tmp_path),
-               "--generators", f"in-flight-keep={in_flight_server.address}",
+               "--warmup", "1", "--out", str(tmp_path), "--generators", generators,
                "--config.rollout.max_response_tokens=24",
                "--config.rollout.length_law=pareto:1.2:4",
                "--config.rollout.prompts_per_batch=4"])  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert "continuous / one-step-off update rate" in out
-    assert out.count("starting a generator service") == 1  # the drain modes' one
-    assert [p.name for p in tmp_path.glob("generator-*.log")] == ["generator-drain-0.log"]
+    assert "starting a generator service" not in out
     assert result["ideal_speedup"] >= 1 and result["sync"]["rate_vs_sync"] == 1
     for mode in ("sync", "one-step-off", "continuous"):
         figures = result[mode]
