@@ -27,6 +27,9 @@ CPU_RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 # The default of --kv-cache-gib for every server started in this environment (the test suite
 # sets it: a tiny model needs a few MB of KV cache, not the usual GB per engine).
 KV_CACHE_ENV = "JAXRLHF_KV_CACHE_GIB"
+# The default of --engine-executor for every server started in this environment (the test suite
+# sets "uni": one process fewer per engine start).
+EXECUTOR_ENV = "JAXRLHF_ENGINE_EXECUTOR"
 # What to change when the engine cannot start (out of memory is the usual cause).
 START_HINT = (
     "If memory ran short: on CPU pass a smaller --kv-cache-gib (default: a quarter of the free "
@@ -77,6 +80,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="CPU backend: cores kept free of the engine's compute threads (default: vLLM's, one "
         "per engine process on x86); 0 lets the engine compute on every core it may run on",
+    )
+    parser.add_argument(
+        "--engine-executor",
+        choices=("mp", "uni"),
+        default=os.environ.get(EXECUTOR_ENV) or None,
+        help="where vLLM's model runs: mp, a worker process of its own (vLLM's choice on CPU: "
+        "it binds the worker's OpenMP threads to the cores left after --cpu-reserved-cores); "
+        "uni, inside the engine-core process: one process fewer, ~10-20 s sooner ready and one "
+        "torch import less memory, but the model computes on torch's thread count there (1 "
+        "when one core is reserved), so use it only where the engine computes on one core, as "
+        f"on a 2-core machine (default: ${EXECUTOR_ENV} if set, else vLLM's)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument(
@@ -157,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         # Read by vLLM's CPU platform when its engine process binds its OpenMP threads.
         os.environ[CPU_RESERVED_ENV] = str(args.cpu_reserved_cores)
+    if args.engine_executor == "uni":
+        if args.tensor_parallel_size != 1:
+            print(f"error: --engine-executor uni runs one worker, but --tensor-parallel-size="
+                  f"{args.tensor_parallel_size} needs one per device", file=sys.stderr)  # fmt: skip
+            return 2
+        # vLLM's CPU platform turns "uni" into "mp" unless its own engine process hosts the
+        # worker (AsyncLLM still runs the engine core in a process of its own).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     lead_process_group()
     stop_with_parent()
     logging.basicConfig(
@@ -178,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        executor=args.engine_executor,
         max_num_seqs=args.max_num_seqs,
         block_size=args.block_size,
         staging_dir=args.staging_dir,

@@ -73,6 +73,9 @@ class EngineConfig:
     seed: int = 0
     # None: eager on CPU (no graph capture there), graphs elsewhere.
     enforce_eager: bool | None = None
+    # vLLM's distributed_executor_backend ("mp", "uni"; None: vLLM's). "uni" on CPU also needs
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 (`python -m generator_service --engine-executor`).
+    executor: str | None = None
     max_num_seqs: int | None = None
     block_size: int | None = None  # None: vLLM's (128 on CPU: shorter prompts are never cached)
     # Where updates are staged before the engine loads them (RAM-backed if possible; see
@@ -257,6 +260,7 @@ class GeneratorEngine:
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             worker_extension_cls=WORKER_EXTENSION,
+            distributed_executor_backend=config.executor,
         )
         self._llm = AsyncLLM.from_engine_args(args)
         model_config = self._llm.model_config

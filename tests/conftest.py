@@ -14,6 +14,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # KV cache: ~260k tokens of the tiny Llama, ~5.8k of SmolLM2 in float32. vLLM's CPU default (1 GiB
 # and more per engine) ran two workers' servers out of the machine's 24 GB.
 os.environ.setdefault("JAXRLHF_KV_CACHE_GIB", "0.25")
+# ... and runs its model inside vLLM's engine-core process (`--engine-executor uni`): one
+# process fewer per engine start (~15 s and a torch import less, on 2 cores where the engine
+# computes on one core either way). tests/generator_service/test_lifecycle.py starts the
+# default (a worker process of its own) and checks it.
+os.environ.setdefault("JAXRLHF_ENGINE_EXECUTOR", "uni")
 # JAX's persistent compilation cache, shared by both workers and every process they start: the
 # suite's many whole runs of the tiny config compile the same programs
 # (tests/test_supervised_resume.py: 34 s with an empty cache, 24 s with a warm one).

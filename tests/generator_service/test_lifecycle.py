@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_default_start_and_no_orphans_after_sigkill(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the documented command
     monkeypatch.delenv("JAXRLHF_KV_CACHE_GIB", raising=False)
+    monkeypatch.delenv("JAXRLHF_ENGINE_EXECUTOR", raising=False)
     server = start_server(tiny_llama, tmp_path / "server.log")  # --model PATH --port 0 only
     try:
         log = server.log_path.read_text()
@@ -44,8 +45,10 @@ def test_default_start_and_no_orphans_after_sigkill(tiny_llama, tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_a_server_whose_engine_dies_exits(tiny_llama, tmp_path):
-    # With no core reserved, the engine computes on every core this process may run on.
+def test_a_server_whose_engine_dies_exits(tiny_llama, tmp_path, monkeypatch):
+    # With no core reserved, the engine's worker computes on every core this process may run
+    # on (vLLM's default executor: a worker process of its own).
+    monkeypatch.delenv("JAXRLHF_ENGINE_EXECUTOR", raising=False)
     server = start_server(tiny_llama, tmp_path / "server.log",
                           ["--dtype", "float32", "--max-model-len", "256",
                            "--cpu-reserved-cores", "0"],
@@ -73,6 +76,20 @@ def test_a_server_whose_engine_dies_exits(tiny_llama, tmp_path):
     finally:
         if server.process.poll() is None:
             server.process.kill()
+
+
+@pytest.mark.slow
+def test_the_suites_servers_run_the_model_in_the_engine_core(generator_server):
+    """`--engine-executor uni` (tests/conftest.py): below the server, one vLLM process, the
+    engine core, which loads and runs the model itself (beside it: the reaper and Python's
+    multiprocessing resource tracker)."""
+    assert os.environ["JAXRLHF_ENGINE_EXECUTOR"] == "uni"
+    below = [_command(pid) for pid, _ in descendants(generator_server.process.pid)]
+    engine = [c for c in below if c.startswith("VLLM::")]
+    assert len(engine) == 1 and engine[0].startswith("VLLM::EngineCore"), below
+    log = generator_server.log_path.read_text(errors="replace")
+    assert "VllmWorker" not in log and "EngineCore pid=" in log
+    assert "Starting to load model" in log.split("EngineCore pid=", 1)[1]
 
 
 def _alive(process: tuple[int, int]) -> bool:

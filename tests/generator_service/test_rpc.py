@@ -55,6 +55,11 @@ def test_weight_chunks_split_by_byte_offset_and_keep_bfloat16():
         (["--cpu-reserved-cores", "-1"], {}, "--cpu-reserved-cores=-1: must be >= 0"),
         (["--kv-cache-gib", "0"], {}, "a KV cache of 0.0 GiB: it must be > 0"),
         (
+            ["--tensor-parallel-size", "2"],
+            {"JAXRLHF_ENGINE_EXECUTOR": "uni"},
+            "--engine-executor uni runs one worker, but --tensor-parallel-size=2",
+        ),
+        (
             [],
             {"JAXRLHF_KV_CACHE_GIB": "lots"},
             "JAXRLHF_KV_CACHE_GIB='lots' is not a number of GiB",
