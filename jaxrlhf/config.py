@@ -87,6 +87,10 @@ def base_config() -> ml_collections.ConfigDict:
         # max_prompt_tokens (one shape).
         prompt_pad_multiple=16,
         max_response_tokens=16,
+        # Each response's least length: EOS is not sampled before this many tokens (vLLM's
+        # min_tokens). 0 = none. Benchmarks use it to fix the generation work per batch
+        # (bench/pipeline_modes.py --workload balanced).
+        min_response_tokens=0,
         weight_sync_dtype="",  # published weights: "" = the compute dtype (model.dtype)
         # Seeded generation calls: batch i's samples depend only on (seed, i, weights), so a
         # resumed run regenerates exactly; each call then runs alone on its replica.
@@ -118,9 +122,17 @@ def base_config() -> ml_collections.ConfigDict:
         # log-probs: the ratio then corrects for the behaviour policy) or "learner" (a
         # recompute by the learner before the update; also logs logprob_gap).
         old_logprobs="sampler",
-        # > 0 (with old_logprobs="learner"): truncated importance sampling, each term weighted
-        # by min(π_learner / π_sampler, cap), per token (ppo, grpo) or per sequence (rloo).
+        # The off-policy correction of r_t = π_learner(y_t) / π_sampler(y_t) (needs
+        # old_logprobs="learner"; ppo, grpo, rloo; formulas in jaxrlhf/losses/importance.py):
+        # "none"; "truncate": each term weighted by min(r_t, truncated_is_cap) (RLOO: its
+        # sequence's Π_t r_t); "mask": a token's term kept when is_low <= r_t <= is_high,
+        # dropped otherwise; "sequence_mask": a sequence kept whole when exp(mean_t log r_t) is
+        # in [is_low, is_high], dropped whole otherwise. A dropped token or sequence gets zero
+        # gradient and leaves the normaliser. truncated_is_cap > 0 alone selects "truncate".
+        is_correction="none",
         truncated_is_cap=0.0,
+        is_low=0.0,  # 0 = the correction's default: 0.5 for "mask", 0.99 for "sequence_mask"
+        is_high=0.0,  # 0 = the correction's default: 2.0 for "mask", 1.01 for "sequence_mask"
         value_model_path="",  # PPO: "" = initialise the value model from the policy
     )
     # 0 = synchronous on-policy; 1 = one-step-off asynchronous; N = N versions behind at most.
@@ -141,6 +153,11 @@ def base_config() -> ml_collections.ConfigDict:
         # two) and takes one optimizer step, equal to the whole batch's; the learner's other
         # forwards (reference, recompute, values, reward model) run this many rows at a time.
         micro_batch_size=0,
+        # RLHF: optimizer updates on each batch, one after the other, each on the whole batch
+        # (the paper's num_ppo_epochs, for generation-bound runs). π_old of the importance
+        # ratio is fixed before the first (PPO's epochs), so later passes are clipped against
+        # it. A step (total_steps, policy versions, staleness, checkpoints) is still one batch.
+        updates_per_batch=1,
         log_every=1,
     )
     c.checkpoint = dict(every=10)
@@ -310,6 +327,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         train.micro_batch_size >= 0,
         f"config.train.micro_batch_size={train.micro_batch_size}: must be >= 0",
     )
+    _require(
+        train.updates_per_batch >= 1,
+        f"config.train.updates_per_batch={train.updates_per_batch}: must be >= 1",
+    )
     known = math.prod(s for s in shape if s != -1)
     _require(
         train.batch_size % known == 0 or -1 in shape,
@@ -325,6 +346,57 @@ def validate(config: ml_collections.ConfigDict) -> None:
         )
     if config.stage == "rlhf":
         _validate_rlhf(config)
+
+
+def _check_correction(loss, spec, name: str) -> None:
+    """loss_params.is_correction and its settings (jaxrlhf/losses/importance.py)."""
+    from jaxrlhf.losses import CORRECTIONS, LOSSES
+    from jaxrlhf.losses.importance import correction_kind, correction_range
+
+    kind = loss.is_correction
+    _require(
+        kind in CORRECTIONS,
+        f"config.loss_params.is_correction={kind!r}: one of {', '.join(CORRECTIONS)}",
+    )
+    _require(
+        loss.truncated_is_cap >= 0,
+        f"config.loss_params.truncated_is_cap={loss.truncated_is_cap}: must be >= 0",
+    )
+    kind = correction_kind(loss)
+    _require(
+        kind != "truncate" or loss.truncated_is_cap > 0,
+        "config.loss_params.is_correction='truncate' needs truncated_is_cap > 0 (e.g. 2.0)",
+    )
+    _require(
+        not (loss.truncated_is_cap and kind not in ("truncate", "none")),
+        f"config.loss_params.truncated_is_cap={loss.truncated_is_cap} with "
+        f"is_correction={kind!r}: the cap belongs to 'truncate'; set it to 0",
+    )
+    if kind in ("mask", "sequence_mask"):
+        low, high = correction_range(kind, loss.is_low, loss.is_high)
+        _require(
+            0 <= low <= 1 <= high,
+            f"config.loss_params.is_low={loss.is_low}, is_high={loss.is_high}: the kept range "
+            f"[{low}, {high}] of is_correction={kind!r} must hold a ratio of 1 (0 = default)",
+        )
+    if kind == "none":
+        return
+    setting = f"config.loss_params.is_correction={kind!r}"
+    if loss.truncated_is_cap and loss.is_correction == "none":
+        setting = f"config.loss_params.truncated_is_cap={loss.truncated_is_cap}"
+    _require(
+        spec.importance_ratio,
+        f"{setting}: loss {name!r} has no importance ratio to correct (the corrections apply "
+        f"to {', '.join(n for n, s in LOSSES.items() if s.importance_ratio)}); leave "
+        f"is_correction='none' and truncated_is_cap=0",
+    )
+    _require(
+        loss.old_logprobs == "learner",
+        f"{setting} with old_logprobs='sampler' corrects twice for the same sampler: the "
+        f"ratio π_θ/π_sampler already does. The corrections act on π_learner/π_sampler, the "
+        f"ratio left when π_old is the learner's recompute: set old_logprobs='learner', or "
+        f"is_correction='none' and truncated_is_cap=0",
+    )
 
 
 def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
@@ -360,25 +432,7 @@ def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
         loss.old_logprobs in ("sampler", "learner"),
         f"config.loss_params.old_logprobs={loss.old_logprobs!r}: 'sampler' or 'learner'",
     )
-    _require(
-        loss.truncated_is_cap >= 0,
-        f"config.loss_params.truncated_is_cap={loss.truncated_is_cap}: must be >= 0",
-    )
-    if loss.truncated_is_cap:
-        _require(
-            spec.importance_ratio,
-            f"config.loss_params.truncated_is_cap={loss.truncated_is_cap}: loss {name!r} has no "
-            f"importance ratio to correct (truncated IS applies to "
-            f"{', '.join(n for n, s in LOSSES.items() if s.importance_ratio)}); set it to 0",
-        )
-        _require(
-            loss.old_logprobs == "learner",
-            f"config.loss_params.truncated_is_cap={loss.truncated_is_cap} with "
-            f"old_logprobs='sampler' corrects twice for the same sampler: the ratio "
-            f"π_θ/π_sampler already does. Truncated IS weights a ratio against the learner's "
-            f"recompute by min(π_learner/π_sampler, cap): set old_logprobs='learner', or "
-            f"truncated_is_cap=0",
-        )
+    _check_correction(loss, spec, name)
     _require(
         config.rollout.temperature > 0,
         f"config.rollout.temperature={config.rollout.temperature}: must be > 0 for RL",
@@ -390,6 +444,19 @@ def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
     for key in ("prompts_per_batch", "max_prompt_tokens", "max_response_tokens"):
         value = config.rollout[key]
         _require(value >= 1, f"config.rollout.{key}={value}: must be >= 1")
+    rollout = config.rollout
+    _require(
+        0 <= rollout.min_response_tokens <= rollout.max_response_tokens,
+        f"config.rollout.min_response_tokens={rollout.min_response_tokens}: must be in "
+        f"[0, max_response_tokens={rollout.max_response_tokens}]",
+    )
+    if rollout.length_law and rollout.min_response_tokens:
+        least = int(rollout.length_law.rsplit(":", 1)[1])  # pareto:A:M, checked in validate
+        _require(
+            rollout.min_response_tokens <= least,
+            f"config.rollout.min_response_tokens={rollout.min_response_tokens} exceeds the "
+            f"least budget of length_law={rollout.length_law!r} ({least})",
+        )
     needed = config.rollout.max_prompt_tokens + config.rollout.max_response_tokens
     _require(
         needed <= config.generator.max_model_len,

@@ -131,6 +131,11 @@ def test_generators_in_another_swap_mode_are_refused():
     [
         ("rollout.length_law", "pareto:2", "config.rollout.length_law: length law 'pareto:2'"),
         ("generator.capacity", -1, "config.generator.capacity=-1: must be >= 0"),
+        (
+            "rollout.min_response_tokens",
+            17,
+            "config.rollout.min_response_tokens=17: must be in [0, max_response_tokens=16]",
+        ),
         ("generator.cpu_reserved_cores", -2, "config.generator.cpu_reserved_cores=-2: must be"),
     ],
 )
@@ -142,6 +147,26 @@ def test_generator_settings_are_checked(key, value, message):
     config[section][name] = value
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(config)
+
+
+def test_a_least_response_length_is_sent_and_checked_against_the_length_law():
+    from jaxrlhf.config import ConfigError, base_config, validate
+    from jaxrlhf.rl.trainer import _sampling
+
+    config = base_config()
+    config.rollout.min_response_tokens = 6
+    validate(config)
+    assert _sampling(config)["min_tokens"] == 6  # vLLM's min_tokens: no EOS before 6 tokens
+    config.rollout.length_law = "pareto:1.0:4"  # a budget of 4 would be below the least
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "min_response_tokens=6 exceeds the least budget of length_law='pareto:1.0:4' (4)"
+        ),
+    ):
+        validate(config)
+    config.rollout.length_law = "pareto:1.0:6"
+    validate(config)
 
 
 def test_a_started_generator_computes_on_every_core_unless_told():

@@ -184,13 +184,14 @@ def hand_rollout() -> tuple[Rollout, Task]:
     return Rollout(0, prompts, samples, 0, 0.0), task
 
 
-def learner_after_one_update(path, loss: str, micro_batch_size: int):
+def learner_after_one_update(path, loss: str, micro_batch_size: int, **loss_params):
     """(metrics, state before, state after) of one `Learner.learn` on `hand_rollout()`, with
-    config.train.micro_batch_size = `micro_batch_size`."""
+    config.train.micro_batch_size = `micro_batch_size` and these loss_params."""
     config = base_config()
     config.model.path = str(path)
     config.loss = loss
     config.loss_params.kl_coef = 0.05
+    config.loss_params.update(loss_params)
     config.rollout.prompts_per_batch, config.rollout.samples_per_prompt = 2, 4
     config.rollout.max_prompt_tokens, config.rollout.max_response_tokens = 4, 4
     config.train.learning_rate = 1e-3
@@ -206,16 +207,33 @@ def learner_after_one_update(path, loss: str, micro_batch_size: int):
     return metrics, before, jax.device_get(learner.state)
 
 
+# The hand rollout's sampler log-probs (-3 to -0.5) sit far above the random model's (about
+# -5.7), so r_t = π_learner/π_sampler is 0.005-0.07: a lower bound of 0.02 drops some tokens
+# (sequences) and keeps others.
+OFF_POLICY = {"old_logprobs": "learner", "is_low": 0.02, "is_high": 1.0}
+
+
 @pytest.mark.slow  # two learners compiled per loss: left out of `make test-fast`
-@pytest.mark.parametrize("loss", ["online_dpo", "ppo"])
-def test_learner_micro_batches_from_the_config_equal_the_whole_batch(loss, models):
+@pytest.mark.parametrize(
+    "loss, loss_params",
+    [("online_dpo", {}), ("ppo", {}),
+     ("grpo", {"is_correction": "mask", **OFF_POLICY}),
+     ("rloo", {"is_correction": "sequence_mask", **OFF_POLICY})],
+    ids=["online_dpo", "ppo", "grpo-mask", "rloo-sequence_mask"],
+)  # fmt: skip
+def test_learner_micro_batches_from_the_config_equal_the_whole_batch(loss, loss_params, models):
     """`train.micro_batch_size=2` gives the gradient, update, loss and metrics of the whole
     batch: the key reaches the train step (2 pairs or 4 x 2 rows) and the reference, value and
-    recompute forwards (2 rows at a time)."""
+    recompute forwards (2 rows at a time). With an off-policy mask, the normaliser counts the
+    whole batch's kept tokens (sequences), so micro-batches that keep unequal shares still
+    give the whole batch's update."""
     path = models[0]
-    whole, before, whole_state = learner_after_one_update(path, loss, 0)
-    micro, _, micro_state = learner_after_one_update(path, loss, 2)
-    compared = [k for k in whole if k == "loss" or k.startswith("loss/") or k == "kl"]
+    whole, before, whole_state = learner_after_one_update(path, loss, 0, **loss_params)
+    micro, _, micro_state = learner_after_one_update(path, loss, 2, **loss_params)
+    if loss_params:
+        assert 0 < whole["is_kept_fraction"] < 1 and whole["is_ratio_max"] > 0
+    compared = [k for k in whole if k == "loss" or k.startswith("loss/") or k == "kl"
+                or k.startswith("is_")]  # fmt: skip
     assert "loss/grad_norm" in compared
     assert_same_metrics({k: whole[k] for k in compared}, {k: micro[k] for k in compared})
     # Adam's moments after one step are the (clipped) gradient and its square: equal up to
@@ -226,13 +244,16 @@ def test_learner_micro_batches_from_the_config_equal_the_whole_batch(loss, model
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * np.abs(a).max())
     # Its update, about lr per parameter whatever the gradient, amplifies the rounding of a
-    # gradient near its epsilon (1e-8): a looser bound, which a missed part still breaks.
+    # gradient near its epsilon (1e-8): a looser bound, which a missed part still breaks (an
+    # RLOO run keeping few sequences has many such gradients: one element of 16384 moved
+    # 0.094 lr apart). Adam ignores the gradient's scale, so the moments above are what
+    # check each part's weight.
     lr = 1e-3
     leaves = zip(jax.tree.leaves(before.params), jax.tree.leaves(whole_state.params),
                  jax.tree.leaves(micro_state.params), strict=True)  # fmt: skip
     for start, a, b in leaves:
         np.testing.assert_allclose(np.asarray(b) - start, np.asarray(a) - start, rtol=0,
-                                   atol=0.05 * lr)  # fmt: skip
+                                   atol=0.15 * lr)  # fmt: skip
     moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), whole_state.params, before.params)
     assert max(jax.tree.leaves(moved)) > 0.5 * lr
 

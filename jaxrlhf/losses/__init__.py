@@ -17,7 +17,12 @@ from jaxrlhf.losses.common import (
 )
 from jaxrlhf.losses.copg import copg_loss, group_pair_indices
 from jaxrlhf.losses.grpo import grpo_advantages, grpo_loss
-from jaxrlhf.losses.importance import logprob_gap_metrics, truncated_importance_weights
+from jaxrlhf.losses.importance import (
+    CORRECTIONS,
+    apply_correction,
+    logprob_gap_metrics,
+    truncated_importance_weights,
+)
 from jaxrlhf.losses.inputs import LossInputs, PolicyFunctions
 from jaxrlhf.losses.online_dpo import online_dpo_loss, select_pairs
 from jaxrlhf.losses.ppo import (
@@ -32,10 +37,12 @@ from jaxrlhf.losses.registry import LOSSES, LossSpec, get_loss_spec
 from jaxrlhf.losses.rloo import kl_penalized_rewards, rloo_advantages, rloo_loss
 
 __all__ = [
+    "CORRECTIONS",
     "LOSSES",
     "LossInputs",
     "LossSpec",
     "PolicyFunctions",
+    "apply_correction",
     "best_of_k_indices",
     "clipped_surrogate",
     "compute_gae",

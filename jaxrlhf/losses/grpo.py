@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.losses.common import group_rewards, masked_mean
-from jaxrlhf.losses.inputs import LossInputs
+from jaxrlhf.losses.inputs import LossInputs, corrected
 from jaxrlhf.losses.ppo import ppo_policy_loss
 
 
@@ -76,17 +76,15 @@ def grpo_loss(
 
 def prepare_grpo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
     """Every row with its group-normalised advantage, π_old's token log-probs, the reference's
-    when cfg.kl_coef > 0 (the k3 KL term) and the per-token truncated importance weights
-    min(π_old/π_sampler, cap) when cfg.truncated_is_cap > 0."""
+    when cfg.kl_coef > 0 (the k3 KL term), and the per-token off-policy correction
+    cfg.is_correction (`jaxrlhf.losses.importance`): truncated weights min(π_old/π_sampler,
+    cap), or a loss mask without the dropped tokens."""
     batch = inputs.rows()
     batch["old_logprobs"] = inputs.old_logprobs.astype(np.float32)
     batch["advantages"] = np.asarray(grpo_advantages(inputs.scores, inputs.samples_per_prompt))
     if cfg.kl_coef:
         batch["ref_logprobs"] = inputs.ref_logprobs.astype(np.float32)
-    weights = inputs.importance_weights(cfg.truncated_is_cap, per="token")
-    if weights is not None:
-        batch["importance_weights"] = weights
-    return batch
+    return batch | corrected(inputs, cfg, per="token")
 
 
 def grpo_objective(models, cfg, params, batch):

@@ -4,7 +4,7 @@ A loss's registry entry (`jaxrlhf.losses.registry.LossSpec`) has two halves:
 
 - `prepare(inputs, cfg) -> batch`: on the host, once per update, from `LossInputs` (rewards,
   reference / behaviour log-probs, old values) to fixed-shape numpy arrays (pairs picked,
-  advantages computed, importance weights capped);
+  advantages computed, off-policy corrections applied);
 - `loss(models, cfg, params, batch) -> (loss, metrics)`: jit-able, differentiated by the train
   step; `models` (`PolicyFunctions`) gives the policy's token log-probs and the value model's
   estimates of a batch's rows.
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jaxrlhf.losses.importance import truncated_importance_weights
+from jaxrlhf.losses.importance import Correction, apply_correction, correction_kind
 
 
 @dataclasses.dataclass
@@ -53,25 +53,29 @@ class LossInputs:
         """[N] Σ_t m_t v_t over each row's response tokens."""
         return (np.asarray(token_values, np.float32) * self.loss_mask).sum(-1).astype(np.float32)
 
-    def importance_weights(self, cap: float, per: str) -> np.ndarray | None:
-        """Truncated importance sampling (Yao et al. 2025), or None when `cap` is 0.
+    def correction(self, cfg, per: str) -> Correction | None:
+        """The off-policy correction `cfg.is_correction` (with truncated_is_cap, is_low,
+        is_high) of the ratio π_old / π_sampler, π_old the learner's recompute
+        (`jaxrlhf.losses.importance`); None for "none". `per`: "token" (PPO, GRPO) or
+        "sequence" (RLOO). (With π_old the sampler's own log-probs, the ratio π_θ/π_old
+        already corrects for the sampler, so the config forbids a correction there.)"""
+        return apply_correction(
+            correction_kind(cfg), self.old_logprobs, self.sampler_logprobs, self.loss_mask, per,
+            cap=cfg.truncated_is_cap, low=cfg.is_low, high=cfg.is_high,
+        )  # fmt: skip
 
-        w = min(π_old / π_sampler, cap), with π_old the learner's recompute: it corrects the
-        sampler/learner mismatch that a ratio against the recompute leaves. `per` = "token":
-        one weight per token [N, T−1] (0 off-response); "sequence": one per row [N], from the
-        sequence log-probs Σ_t. (With π_old the sampler's own log-probs the ratio π_θ/π_old
-        already corrects for the sampler, so the config forbids a cap there.)
-        """
-        if not cap:
-            return None
-        if per == "token":
-            weights = truncated_importance_weights(self.old_logprobs, self.sampler_logprobs, cap)
-            return np.asarray(weights, np.float32) * self.loss_mask
-        old, sampler = (
-            self.sequence_sums(self.old_logprobs),
-            self.sequence_sums(self.sampler_logprobs),
-        )
-        return np.asarray(truncated_importance_weights(old, sampler, cap), np.float32)
+
+def corrected(inputs: LossInputs, cfg, per: str) -> dict[str, np.ndarray]:
+    """The batch entries a correction replaces or adds: "loss_mask" (dropped tokens zeroed:
+    they leave every term of the loss and its normaliser) and "importance_weights"
+    (truncation); none for is_correction="none"."""
+    correction = inputs.correction(cfg, per)
+    if correction is None:
+        return {}
+    out = {"loss_mask": correction.loss_mask}
+    if correction.weights is not None:
+        out["importance_weights"] = correction.weights
+    return out
 
 
 def pair_batch(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.losses.common import clipped_surrogate, masked_mean, masked_whiten
-from jaxrlhf.losses.inputs import LossInputs
+from jaxrlhf.losses.inputs import LossInputs, corrected
 
 
 def last_token_one_hot(mask: jax.Array) -> jax.Array:
@@ -181,8 +181,8 @@ def prepare_ppo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
     """Every row with GAE advantages (whitened over the whole batch when
     cfg.whiten_advantages) and returns of the per-token KL-penalised rewards (the score alone
     when kl_coef is 0: no reference then), on the value model's estimates before the update;
-    π_old's token log-probs and the per-token truncated importance weights when
-    cfg.truncated_is_cap > 0."""
+    π_old's token log-probs, and the per-token off-policy correction cfg.is_correction
+    (`jaxrlhf.losses.importance`; a dropped token leaves the policy and the value loss)."""
     mask = inputs.loss_mask
     ref = inputs.ref_logprobs if cfg.kl_coef else inputs.old_logprobs  # no KL term without it
     rewards = ppo_per_token_rewards(inputs.scores, inputs.old_logprobs, ref, mask, cfg.kl_coef)
@@ -196,10 +196,7 @@ def prepare_ppo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
         "advantages": np.asarray(advantages, np.float32),
         "returns": np.asarray(returns, np.float32),
     }
-    weights = inputs.importance_weights(cfg.truncated_is_cap, per="token")
-    if weights is not None:
-        batch["importance_weights"] = weights
-    return batch
+    return batch | corrected(inputs, cfg, per="token")
 
 
 def ppo_objective(models, cfg, params, batch):

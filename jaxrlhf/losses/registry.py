@@ -54,10 +54,11 @@ class LossSpec:
         "never".
     needs_value_model: trains a value head alongside the policy (PPO).
     importance_ratio: uses π_old in an importance ratio (the sampler's or the learner's
-        recompute), so truncated importance sampling applies to it.
+        recompute), so the off-policy corrections (`loss_params.is_correction`) apply to it.
     pairwise: consumes pairs of responses to the same prompt rather than single responses.
     averaged_over: the unit the loss is a mean over, which micro-batches weight their parts by
-        (`batch_weight`): "tokens" (response tokens), "pairs" (valid pairs), "sequences".
+        (`batch_weight`): "tokens" (response tokens kept), "pairs" (valid pairs), "sequences"
+        (kept rows).
     batch_items(prompts, k) -> the leading dimension of the prepared batch (pairs or rows).
     reference_rows(scores, k) -> row indices: the only rows whose reference log-probs the loss
         reads, of a fixed count for a given batch size (None: all rows). The reference forward
@@ -76,6 +77,7 @@ class LossSpec:
     averaged_over: str
     batch_items: Callable[[int, int], int]
     reference_rows: Callable[[np.ndarray, int], np.ndarray] | None = None
+    ratio_per: str = "token"  # its importance ratio: per "token" or per "sequence"
 
     def __post_init__(self) -> None:
         if self.reference not in REFERENCE_USES:
@@ -90,7 +92,9 @@ class LossSpec:
         if self.averaged_over == "pairs":
             return batch["valid"].sum()
         if self.averaged_over == "tokens":
-            return batch["loss_mask"].sum()
+            return batch["loss_mask"].sum()  # kept by an off-policy correction
+        if "kept" in batch:  # the rows an off-policy correction kept
+            return batch["kept"].sum()
         return next(iter(batch.values())).shape[0]
 
     @property
@@ -170,6 +174,7 @@ _SPECS = (
         averaged_over="sequences",
         batch_items=_per_sample,
         pairwise=False,
+        ratio_per="sequence",
     ),
     LossSpec(
         name="grpo",

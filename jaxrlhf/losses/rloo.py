@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.losses.common import clipped_surrogate, group_rewards, masked_sum
-from jaxrlhf.losses.inputs import LossInputs, masked_sequence_logprobs
+from jaxrlhf.losses.common import clipped_surrogate, group_rewards, masked_mean, masked_sum
+from jaxrlhf.losses.inputs import LossInputs, corrected, masked_sequence_logprobs
 
 
 def kl_penalized_rewards(
@@ -49,14 +49,16 @@ def rloo_loss(
     advantages: jax.Array,
     clip: float = 0.2,
     importance_weights: jax.Array | None = None,
+    kept: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Sequence-level clipped surrogate on [N] summed log-probs.
 
         ρ_i = exp(Σ_t log π_θ − Σ_t log π_old)
-        loss = mean_i w_i · max(−A_i ρ_i, −A_i clip(ρ_i, 1−ε, 1+ε))
+        loss = Σ_i k_i w_i · max(−A_i ρ_i, −A_i clip(ρ_i, 1−ε, 1+ε)) / Σ_i k_i
 
-    with w the optional truncated importance weights (constant, default 1). Old log-probs and
-    advantages are constants (stop_gradient).
+    with w the optional truncated importance weights (constant, default 1) and k the rows kept
+    by an off-policy mask (default all; a dropped row gets zero gradient). Old log-probs and
+    advantages are constants (stop_gradient). The metrics are over the kept rows.
 
     Metrics: clipfrac (fraction of sequences whose clipped term is active, zero gradient),
     ratio_mean, ratio_max, approx_kl = ½ mean((log ρ)²) (as TRL).
@@ -68,16 +70,17 @@ def rloo_loss(
     losses, is_clipped, ratio = clipped_surrogate(log_ratio, advantages, clip)
     if importance_weights is not None:
         losses = losses * jax.lax.stop_gradient(importance_weights)
-    loss = jnp.mean(losses)
+    kept = jnp.ones_like(losses) if kept is None else jnp.asarray(kept)
+    loss = masked_mean(losses, kept)
     log_ratio = jax.lax.stop_gradient(log_ratio)
     ratio = jax.lax.stop_gradient(ratio)
     metrics = {
         "loss": loss,
-        "clipfrac": jnp.mean(is_clipped.astype(jnp.float32)),
-        "ratio_mean": jnp.mean(ratio),
-        "ratio_max": jnp.max(ratio),
-        "approx_kl": 0.5 * jnp.mean(log_ratio**2),
-        "advantages_mean": jnp.mean(advantages),
+        "clipfrac": masked_mean(is_clipped, kept),
+        "ratio_mean": masked_mean(ratio, kept),
+        "ratio_max": jnp.max(jnp.where(kept > 0, ratio, 0.0)),
+        "approx_kl": 0.5 * masked_mean(log_ratio**2, kept),
+        "advantages_mean": masked_mean(advantages, kept),
     }
     return loss, metrics
 
@@ -87,8 +90,10 @@ def rloo_loss(
 
 def prepare_rloo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
     """Every row with its leave-one-out advantage of the KL-penalised reward (the plain score
-    when kl_coef is 0: no reference then), π_old's sequence log-probs, and the sequence-level
-    truncated importance weight min(π_old/π_sampler, cap) when cfg.truncated_is_cap > 0."""
+    when kl_coef is 0: no reference then), π_old's token log-probs, the off-policy correction
+    cfg.is_correction (`jaxrlhf.losses.importance`: a sequence-level truncated weight
+    min(Π_t π_old/π_sampler, cap), or a loss mask without the dropped tokens or sequences),
+    and `kept`: 1 for a row with a token left in its mask (the rows the loss averages)."""
     rewards = inputs.scores
     if cfg.kl_coef:
         rewards = kl_penalized_rewards(
@@ -97,9 +102,8 @@ def prepare_rloo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
     batch = inputs.rows()
     batch["old_logprobs"] = inputs.old_logprobs.astype(np.float32)
     batch["advantages"] = np.asarray(rloo_advantages(rewards, inputs.samples_per_prompt))
-    weights = inputs.importance_weights(cfg.truncated_is_cap, per="sequence")
-    if weights is not None:
-        batch["importance_weights"] = weights
+    batch |= corrected(inputs, cfg, per="sequence")
+    batch["kept"] = (batch["loss_mask"].sum(-1) > 0).astype(np.float32)
     return batch
 
 
@@ -109,4 +113,5 @@ def rloo_objective(models, cfg, params, batch):
         masked_sequence_logprobs(models, params, batch),
         (batch["old_logprobs"] * batch["loss_mask"]).sum(-1),
         batch["advantages"], cfg.clip, importance_weights=batch.get("importance_weights"),
+        kept=batch.get("kept"),
     )  # fmt: skip

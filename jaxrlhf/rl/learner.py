@@ -4,8 +4,8 @@
 changed": rewards (the task's verifier or a reward model) and the missing-EOS penalty, the
 forwards the loss needs before the update (the reference's, the learner's recompute of π_old,
 PPO's value estimates; each only when needed), the loss's batch preparation, and one jitted,
-mesh-sharded train step. The loop around it (`jaxrlhf.rl.trainer`) owns generation, versions,
-publishing and checkpoints.
+mesh-sharded train step (`train.updates_per_batch` of them, on the same prepared batch). The
+loop around it (`jaxrlhf.rl.trainer`) owns generation, versions, publishing and checkpoints.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class Learner:
             compute = jnp.dtype(cfg.model.dtype)
             self.ref_params = jax.tree.map(lambda p: p.astype(compute, copy=True), policy_params)
         # The learner's own log-probs of the sampled tokens, before the update: π_old of the
-        # ratio when old_logprobs="learner" (truncated IS needs it too: the config refuses a
-        # cap without it). Otherwise π_old is the sampler's, and this forward is skipped.
+        # ratio when old_logprobs="learner" (the off-policy corrections need it too: the config
+        # refuses one without it). Otherwise π_old is the sampler's, and this forward is skipped.
         self.recompute_old = cfg.loss_params.old_logprobs == "learner"
         optimizer = optax.chain(
             optax.clip_by_global_norm(cfg.train.max_grad_norm),
@@ -77,6 +77,7 @@ class Learner:
         )
         self.shardings = state_shardings(shardings, optimizer, params, mesh)
         self.state = create_train_state(params, optimizer, self.shardings)
+        self.loss_params = cfg.loss_params
         self.objective = build_objective(
             cfg.loss, self.policy, self.value, cfg.loss_params, cfg.rollout.temperature
         )
@@ -89,6 +90,7 @@ class Learner:
                 return next_token_logprobs(policy, params, input_ids, attention_mask, temperature)
 
         self.micro_batch_size = cfg.train.micro_batch_size
+        self.updates_per_batch = cfg.train.updates_per_batch
         self.logprobs = jax.jit(forward_in_micro_batches(logprobs, self.micro_batch_size))
         self.values = None
         if self.value is not None:
@@ -204,21 +206,35 @@ class Learner:
         inputs, extra = self.loss_inputs(arrays, scores)
         batch = self.objective.prepare(inputs)
         prepared = time.perf_counter()
-        metrics = self.train_step(batch)
+        # train.updates_per_batch optimizer updates on the same prepared batch: π_old (and the
+        # corrections, advantages and pairs) stay those of before the first.
+        passes = [self.train_step(batch) for _ in range(self.updates_per_batch)]
+        metrics = passes[-1]
         train_s = time.perf_counter() - prepared
         record = {
-            "loss": metrics["loss"],
+            "loss": metrics["loss"],  # of the last update on the batch
             "reward_mean": float(raw.mean()),
             "score_mean": float(scores.mean()),
             **behaviour_metrics(inputs, extra["learner_logprobs"]),
+            **self._correction_metrics(inputs),
             "eos_rate": float(arrays.finished.mean()),
             "response_length_mean": float(arrays.response_lengths.mean()),
-            "train_tokens_per_s": float(arrays.loss_mask.sum()) / max(train_s, 1e-9),
+            "train_tokens_per_s": float(arrays.loss_mask.sum() * len(passes)) / max(train_s, 1e-9),
             "prepare_s": prepared - started,
             "train_s": train_s,
         }
         record.update({f"loss/{k}": v for k, v in metrics.items() if k != "loss"})
+        if len(passes) > 1:
+            record["loss_first_update"] = passes[0]["loss"]
         return record
+
+    def _correction_metrics(self, inputs: LossInputs) -> dict[str, float]:
+        """is_kept_fraction, is_ratio_mean, is_ratio_max of the off-policy correction
+        (`jaxrlhf.losses.importance.Correction`), when the run has one."""
+        if not self.spec.importance_ratio:
+            return {}
+        correction = inputs.correction(self.loss_params, self.spec.ratio_per)
+        return {} if correction is None else correction.metrics
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))

@@ -60,6 +60,7 @@ def _sampling(config) -> dict[str, Any]:
         top_p=1.0,
         top_k=-1,
         max_tokens=rollout.max_response_tokens,
+        min_tokens=rollout.min_response_tokens,
     )
 
 

@@ -69,13 +69,13 @@ def learning_config(output_dir, loss: str, steps: int, learning_rate: float, **l
     return config
 
 
-def train(model_dir, output_dir, loss, steps, learning_rate, **loss_params):
+def train(model_dir, output_dir, loss, steps, learning_rate, updates_per_batch=1, **loss_params):
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     task = target_task(tokenizer)
     generator = JaxGenerator(model_dir, tokenizer.eos_token_id, tokenizer.pad_token_id)
     config = learning_config(output_dir, loss, steps, learning_rate, **loss_params)
-    result = run_rlhf(config, model_dir, task, generator, lambda message: None)
-    return [r["reward_mean"] for r in result.metrics]
+    config.train.updates_per_batch = updates_per_batch
+    return run_rlhf(config, model_dir, task, generator, lambda message: None).metrics
 
 
 # loss -> (learning rate, loss_params): the paper's defaults where they learn this toy task in
@@ -88,6 +88,20 @@ SETTINGS = {
     "rloo": (1e-2, {"kl_coef": 0.01}),
     "grpo": (1e-2, {}),
     "ppo": (1e-2, {"kl_coef": 0.01}),
+    # The off-policy corrections (loss_params.is_correction) on the learner's recompute:
+    # samples are one version behind (max_staleness 1), so the ratios move off 1.
+    # The second also takes 2 updates per batch (train.updates_per_batch).
+    "grpo+mask": (1e-2, {"old_logprobs": "learner", "is_correction": "mask"}),
+    "rloo+sequence_mask+2updates": (
+        1e-2,
+        {
+            "kl_coef": 0.01,
+            "old_logprobs": "learner",
+            "is_correction": "sequence_mask",
+            "is_low": 0.9,
+            "is_high": 1.1,
+        },
+    ),
 }
 STEPS = 24
 WINDOW = 4  # steps averaged at each end
@@ -98,6 +112,14 @@ MARGIN = 0.25  # the untrained policy scores ~0.25: the end must reach ~0.5 or m
 @pytest.mark.parametrize("loss", sorted(SETTINGS))
 def test_loss_raises_the_reward(loss, tiny_llama, tmp_path):
     learning_rate, loss_params = SETTINGS[loss]
-    rewards = train(tiny_llama, tmp_path, loss, STEPS, learning_rate, **loss_params)
+    updates = 2 if loss.endswith("+2updates") else 1
+    metrics = train(tiny_llama, tmp_path, loss.split("+")[0], STEPS, learning_rate, updates,
+                    **loss_params)  # fmt: skip
+    rewards = [r["reward_mean"] for r in metrics]
+    if "is_correction" in loss_params:  # it dropped some terms, and kept most
+        kept = [r["is_kept_fraction"] for r in metrics]
+        assert min(kept) < 1 and np.mean(kept) > 0.5, kept
+    if updates > 1:  # the second update starts where the first left the loss
+        assert all(r["loss_first_update"] != r["loss"] for r in metrics)
     start, end = np.mean(rewards[:WINDOW]), np.mean(rewards[-WINDOW:])
     assert end >= start + MARGIN, f"{loss}: reward {start:.2f} -> {end:.2f}: {rewards}"

@@ -47,8 +47,12 @@ def setup(tiny_llama):
 
 def mini_batch_config(output_dir, resume: bool = False):
     """6 updates in the paper's off-policy test bed with N = 4 mini-batches (publishes after
-    updates 4 and 6), a checkpoint every 2 updates: the one at 2 falls between two publishes."""
-    config = learning_config(output_dir, "rloo", 6, 1e-2)
+    updates 4 and 6), a checkpoint every 2 updates: the one at 2 falls between two publishes.
+    Each batch is trained on twice (train.updates_per_batch), through a token mask on the
+    learner's recompute (loss_params.is_correction)."""
+    config = learning_config(output_dir, "rloo", 6, 1e-2, old_logprobs="learner",
+                             is_correction="mask")  # fmt: skip
+    config.train.updates_per_batch = 2
     config.num_mini_batches = 0
     config.sync_every, config.max_staleness = 4, 3
     config.checkpoint.every = 2

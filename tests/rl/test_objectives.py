@@ -368,6 +368,129 @@ def test_ppo(kl_coef, cap, whiten):
     close(grads["value"]["w"], value_grad)
 
 
+# The masking corrections (loss_params.is_correction), by hand: r_t = exp(old − sampler).
+
+MASKS = {  # kind: (is_low, is_high), chosen so that the table's ratios fall on both sides
+    "mask": (0.9, 1.6),
+    "sequence_mask": (1.1, 1.4),
+}
+
+
+def kept_by_hand(inputs, kind, low, high):
+    """The loss mask a masking correction leaves, and its is_* metrics, from the docstring."""
+    mask = inputs.loss_mask
+    real = mask > 0
+    ratio = np.exp(inputs.old_logprobs.astype(np.float64) - inputs.sampler_logprobs)
+    if kind == "mask":
+        inside = real & (ratio >= low) & (ratio <= high)
+        kept, tested = inside[real], ratio[real]
+    else:
+        geometric = np.exp(seq(np.log(np.where(real, ratio, 1.0)), mask) / real.sum(-1))
+        inside = ((geometric >= low) & (geometric <= high))[:, None] & real
+        kept, tested = (geometric >= low) & (geometric <= high), geometric
+    assert 0 < kept.mean() < 1  # some kept, some dropped
+    metrics = {"is_kept_fraction": kept.mean(), "is_ratio_mean": tested.mean(),
+               "is_ratio_max": tested.max()}  # fmt: skip
+    return mask * inside, metrics
+
+
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("name", ["ppo", "grpo", "rloo"])
+def test_masking_corrections(name, kind):
+    """A dropped token (sequence) leaves the loss mask: zero gradient, out of the normaliser."""
+    import dataclasses
+
+    from jaxrlhf.losses import apply_correction
+
+    k = 4
+    scores = np.float32([1.0, -0.5, 0.3, 2.0, 0.0, 1.5, -1.0, 0.8])
+    inputs = make_inputs(scores, k, with_ref=False)
+    low, high = MASKS[kind]
+    cfg = loss_params(is_correction=kind, is_low=low, is_high=high, kl_coef=0.0,
+                      old_logprobs="learner", whiten_advantages=False, clip=0.2)  # fmt: skip
+    batch, loss, metrics, grads = run(name, inputs, cfg)
+
+    kept_mask, expected_metrics = kept_by_hand(inputs, kind, low, high)
+    assert_array_equal(batch["loss_mask"], kept_mask)
+    assert "importance_weights" not in batch
+    correction = apply_correction(kind, inputs.old_logprobs, inputs.sampler_logprobs,
+                                  inputs.loss_mask, "token", low=low, high=high)  # fmt: skip
+    for key, value in expected_metrics.items():
+        close(correction.metrics[key], value)
+    kept_inputs = dataclasses.replace(inputs, loss_mask=kept_mask)
+    ids = inputs.input_ids
+    if name == "rloo":
+        rows = kept_mask.sum(-1) > 0
+        assert_array_equal(batch["kept"], rows)
+        assert get_loss_spec("rloo").batch_weight(batch) == rows.sum()
+        grouped = scores.reshape(-1, k).astype(np.float64)
+        advantages = (grouped - (grouped.sum(1, keepdims=True) - grouped) / (k - 1)).ravel()
+        log_ratio = seq(token_logprobs(ids), kept_mask) - seq(inputs.old_logprobs, kept_mask)
+        losses, _, _, dlosses = clipped(log_ratio, advantages, cfg.clip)
+        close(loss, losses[rows].mean())
+        dtokens = (rows * dlosses / rows.sum())[:, None] * kept_mask
+    else:
+        assert get_loss_spec(name).batch_weight(batch) == kept_mask.sum()
+        if name == "grpo":
+            grouped = scores.reshape(-1, k)
+            advantages = np.concatenate(
+                [(g - g.mean()) / (np.std(g, ddof=1) + 1e-6) for g in grouped]
+            )[:, None]
+        else:  # ppo: GAE on the whole response, then the kept tokens' terms
+            rewards = np.zeros(inputs.loss_mask.shape)
+            last = [np.flatnonzero(row)[-1] for row in inputs.loss_mask]
+            rewards[np.arange(len(ids)), last] += scores
+            advantages, _ = gae(rewards, inputs.old_values, inputs.loss_mask, cfg.gamma, cfg.lam)
+        policy_loss, expected, dtokens = token_surrogate(kept_inputs, advantages, cfg)
+        close(metrics["policy_loss"] if name == "ppo" else loss, policy_loss)
+        for key, value in expected.items():
+            close(metrics[key], value)
+    close(grads["policy"]["theta"], table_grad(ids, dtokens))
+
+
+def test_truncation_metrics_and_correction_defaults():
+    from jaxrlhf.losses import apply_correction
+    from jaxrlhf.losses.importance import correction_kind, correction_range
+
+    inputs = make_inputs([0.0] * 8, 4)
+    real = inputs.loss_mask > 0
+    ratio = np.exp(inputs.old_logprobs.astype(np.float64) - inputs.sampler_logprobs)[real]
+    correction = apply_correction("truncate", inputs.old_logprobs, inputs.sampler_logprobs,
+                                  inputs.loss_mask, "token", cap=1.5)  # fmt: skip
+    close(correction.metrics["is_kept_fraction"], np.mean(ratio <= 1.5))
+    close(correction.metrics["is_ratio_max"], ratio.max())
+    assert apply_correction("none", inputs.old_logprobs, inputs.sampler_logprobs,
+                            inputs.loss_mask, "token") is None  # fmt: skip
+    assert correction_range("mask", 0.0, 0.0) == (0.5, 2.0)
+    assert correction_range("sequence_mask", 0.0, 3.0) == (0.99, 3.0)
+    assert correction_kind(loss_params(truncated_is_cap=2.0)) == "truncate"  # the old setting
+    assert correction_kind(loss_params(is_correction="mask")) == "mask"
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"is_correction": "clip"}, "is_correction='clip': one of none, truncate, mask"),
+        ({"is_correction": "truncate"}, "is_correction='truncate' needs truncated_is_cap > 0"),
+        ({"is_correction": "mask", "truncated_is_cap": 2.0}, "the cap belongs to 'truncate'"),
+        (
+            {"is_correction": "mask", "is_low": 1.2},
+            "[1.2, 2.0] of is_correction='mask' must hold a ratio of 1",
+        ),
+        ({"is_correction": "sequence_mask", "old_logprobs": "sampler"}, "corrects twice"),
+    ],
+)
+def test_correction_settings_are_checked(params, message):
+    import re
+
+    validate(rlhf_config("grpo", is_correction="mask", old_logprobs="learner"))
+    params = {"old_logprobs": "learner"} | params
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(rlhf_config("grpo", **params))
+    with pytest.raises(ConfigError, match="loss 'copg' has no importance ratio"):
+        validate(rlhf_config("copg", is_correction="mask", old_logprobs="learner"))
+
+
 # Glue: when the reference forward runs, and which truncated-IS configs a run accepts.
 
 REFERENCE_NEEDED = {  # name: (needed with kl_coef > 0, needed with kl_coef = 0)
