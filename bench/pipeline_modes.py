@@ -2,6 +2,7 @@
 
     python bench/pipeline_modes.py --workload long-tail   # tiny Llama, heavy-tailed lengths
     python bench/pipeline_modes.py --workload default     # the offline default (SmolLM2)
+    python bench/pipeline_modes.py --workload balanced    # SmolLM2 with g about t
     python bench/pipeline_modes.py --analyze-only         # recompute from the runs in --out
 
 The same workload runs once per mode (`--modes`) and repeat (`--repeats`; the order of the
@@ -22,6 +23,14 @@ Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to every run):
 
 - `default`: `configs/default.py` as `make run` trains it (SmolLM2-135M, arithmetic,
   8 prompts x 4 samples): learner-bound.
+- `balanced`: the default with generation made as long as learning (g ≈ t, where a one-step
+  overlap could double the update rate): every response exactly 16 tokens
+  (`rollout.min_response_tokens=16`, the default `max_response_tokens`; no missing-EOS penalty,
+  so rewards still come from the answer) and an engine capacity of 4 sequences
+  (`generator.max_num_seqs=4`, an eighth of a batch). How g and t were matched: the default's
+  sync runs measure t ≈ 13 s and g ≈ 3 s with 256 sequences of room; a sync calibration run
+  (steps 2-3) with 4 sequences of room and forced lengths measured g ≈ 16 s, about t. The
+  learner's work is the default's (responses are padded to `max_response_tokens` either way).
 - `long-tail`: `configs/tiny.py` on the tiny Llama with 1024 positions (`model.path=tiny-long`),
   each prompt's response budget drawn from a Pareto law of shape 1.0 and minimum 32 tokens,
   capped at 448 (`rollout.length_law=pareto:1.0:32`; P(a budget reaches the cap) = 32/448; the
@@ -77,6 +86,14 @@ MODES = {  # name -> overrides
 }  # fmt: skip
 WORKLOADS = {  # name -> (model, overrides)
     "default": ("smollm2", {}),
+    "balanced": (
+        "smollm2",
+        {
+            "rollout.min_response_tokens": 16,
+            "loss_params.missing_eos_penalty": False,
+            "generator.max_num_seqs": 4,
+        },
+    ),
     "long-tail": (
         "tiny",
         {
