@@ -26,11 +26,12 @@ Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to every run):
 - `balanced`: the default with generation made as long as learning (g ≈ t, where a one-step
   overlap could double the update rate): every response exactly 16 tokens
   (`rollout.min_response_tokens=16`, the default `max_response_tokens`; no missing-EOS penalty,
-  so rewards still come from the answer) and an engine capacity of 4 sequences
-  (`generator.max_num_seqs=4`, an eighth of a batch). How g and t were matched: the default's
-  sync runs measure t ≈ 13 s and g ≈ 3 s with 256 sequences of room; a sync calibration run
-  (steps 2-3) with 4 sequences of room and forced lengths measured g ≈ 16 s, about t. The
-  learner's work is the default's (responses are padded to `max_response_tokens` either way).
+  so rewards still come from the answer) and an engine capacity of 2 sequences
+  (`generator.max_num_seqs=2`, a sixteenth of a batch). How g and t were matched: a sync run
+  of this workload with a capacity of 4 measured g 15.7-16.5 s and t 32-34 s (steps 3-4, the
+  learner compiled), and g grows with the rounds of sequences the capacity allows while t does
+  not depend on it, so a capacity of 2 doubles g to about t. The sync runs of the bench measure
+  both (printed as the ideal).
 - `long-tail`: `configs/tiny.py` on the tiny Llama with 1024 positions (`model.path=tiny-long`),
   each prompt's response budget drawn from a Pareto law of shape 1.0 and minimum 32 tokens,
   capped at 448 (`rollout.length_law=pareto:1.0:32`; P(a budget reaches the cap) = 32/448; the
@@ -91,7 +92,7 @@ WORKLOADS = {  # name -> (model, overrides)
         {
             "rollout.min_response_tokens": 16,
             "loss_params.missing_eos_penalty": False,
-            "generator.max_num_seqs": 4,
+            "generator.max_num_seqs": 2,
         },
     ),
     "long-tail": (
