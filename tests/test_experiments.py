@@ -234,6 +234,37 @@ def test_offpolicy_steps():
         offpolicy.check_steps(8, [1, 2, 3])
 
 
+def test_offpolicy_corrections_axis(tmp_path):
+    """--corrections: each loss with an importance ratio once per correction, on the learner's
+    recompute; Online DPO (no ratio) once; the validated settings reach the run's overrides."""
+    from jaxrlhf.config import base_config, resolve, validate
+
+    args = offpolicy._parse_args(["--losses", "online_dpo,rloo,grpo", "--corrections",
+                                  "none,truncate,sequence_mask", "--mini-batches", "1,4",
+                                  "--seeds", "0", "--out", str(tmp_path)])  # fmt: skip
+    assert args.losses == ["online_dpo", "rloo", "rloo+truncate", "rloo+sequence_mask", "grpo",
+                           "grpo+truncate", "grpo+sequence_mask"]  # fmt: skip
+    runs = {
+        (r.labels["loss"], r.labels["num_mini_batches"]): r for r in offpolicy.plan(args, tmp_path)
+    }
+    assert len(runs) == 14
+    overrides = runs["rloo+sequence_mask", 4].overrides
+    assert overrides["loss"] == "rloo" and overrides["loss_params.old_logprobs"] == "learner"
+    assert overrides["loss_params.is_correction"] == "sequence_mask"
+    assert runs["grpo+truncate", 1].overrides["loss_params.truncated_is_cap"] == 2.0
+    assert "loss_params.is_correction" not in runs["rloo", 1].overrides
+    assert runs["rloo+sequence_mask", 4].folder == tmp_path / "rloo+sequence_mask" / "N4" / "seed0"
+    for run in runs.values():  # each is a config the run accepts
+        config = base_config()
+        for key, value in run.overrides.items():
+            if key.startswith(("loss", "num_mini")):
+                section, _, name = key.rpartition(".")
+                (config[section] if section else config)[name] = value
+        validate(resolve(config))
+    with pytest.raises(SystemExit):
+        offpolicy._parse_args(["--corrections", "clip"])
+
+
 def test_run_figures():
     records = offpolicy_records(4, 8, 0.8)
     records[3]["test_accuracy"], records[3]["eval_accuracy"] = 0.25, 0.2

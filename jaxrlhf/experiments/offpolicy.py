@@ -8,12 +8,19 @@
     # a pipeline check on the tiny random model (no learning signal: rewards stay ~0)
     python -m jaxrlhf.experiments.offpolicy --model tiny --losses online_dpo,rloo \
         --mini-batches 1,2 --steps 2 --seeds 0 --out /tmp/offpolicy-tiny
+    # the off-policy corrections under staleness: RLOO and GRPO with each, beside Online DPO
+    python -m jaxrlhf.experiments.offpolicy --losses online_dpo,rloo,grpo \
+        --corrections none,truncate,mask,sequence_mask --mini-batches 1,4,16 --steps 16 \
+        --prompts-per-batch 4 --seeds 0,1,2
     # redraw the table and figure from the runs already in --out
     python -m jaxrlhf.experiments.offpolicy --report-only
 
 For each loss (`--losses`, default online_dpo,ppo,rloo), each N (`--mini-batches`) and each
 seed (`--seeds`, `config.seed`: the prompts, the generation seeds and the validation prompts)
-the RLHF stage runs with `num_mini_batches=N` (N mini-batches generated with one policy, then N
+and, for a loss with an importance ratio (ppo, rloo, grpo), each off-policy correction
+(`--corrections`, default none; `loss_params.is_correction` on the learner's recompute,
+`old_logprobs=learner`, with `truncated_is_cap=2.0` for truncate: a row "rloo+mask"), the RLHF
+stage runs with `num_mini_batches=N` (N mini-batches generated with one policy, then N
 updates, then the weights are published: `sync_every=N`, `max_staleness=N-1`), on the offline
 default's model and task (`configs/default.py`; `configs/tiny.py` for `--model tiny`). Every run
 takes `--steps` updates, a multiple of every N (by default their least common multiple). N = 1
@@ -73,6 +80,32 @@ def check_steps(steps: int, mini_batches: Sequence[int]) -> None:
             f"--steps={steps} is not a multiple of N={bad}: every run takes the same number "
             f"of updates, N at a time (e.g. --steps={default_steps(mini_batches)})"
         )
+
+
+def variants(losses: Sequence[str], corrections: Sequence[str]) -> list[str]:
+    """The rows of the sweep: each loss with an importance ratio once per correction
+    ("rloo+mask"; "rloo" for none), every other loss once."""
+    from jaxrlhf.losses import LOSSES
+
+    out = []
+    for loss in losses:
+        ratio = loss in LOSSES and LOSSES[loss].importance_ratio
+        out += [
+            loss if c == "none" else f"{loss}+{c}" for c in (corrections if ratio else ["none"])
+        ]
+    return list(dict.fromkeys(out))
+
+
+def variant_overrides(variant: str) -> dict[str, Any]:
+    """The config overrides of a row of `variants`."""
+    loss, _, correction = variant.partition("+")
+    overrides: dict[str, Any] = {"loss": loss}
+    if correction:
+        overrides |= {"loss_params.old_logprobs": "learner",
+                      "loss_params.is_correction": correction}  # fmt: skip
+        if correction == "truncate":
+            overrides["loss_params.truncated_is_cap"] = 2.0
+    return overrides
 
 
 def run_dir(out: Path, loss: str, num_mini_batches: int, seed: int) -> Path:
@@ -168,7 +201,7 @@ def _zero_if_nan(value: float) -> float:
 
 def run_overrides(args, loss: str, num_mini_batches: int, seed: int, folder: Path):
     overrides = common_overrides(args, folder, args.steps)
-    overrides |= {"loss": loss, "num_mini_batches": num_mini_batches, "seed": seed}
+    overrides |= {**variant_overrides(loss), "num_mini_batches": num_mini_batches, "seed": seed}
     for flag, key in (
         ("prompts_per_batch", "rollout.prompts_per_batch"),
         ("samples_per_prompt", "rollout.samples_per_prompt"),
@@ -195,6 +228,9 @@ def _parse_args(argv: Sequence[str] | None):
         prog="python -m jaxrlhf.experiments.offpolicy", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--losses", default=",".join(DEFAULT_LOSSES))
+    parser.add_argument("--corrections", default="none", help="off-policy corrections of the "
+                        "losses with an importance ratio: none, truncate, mask, "
+                        "sequence_mask")  # fmt: skip
     parser.add_argument("--mini-batches", default=",".join(map(str, DEFAULT_MINI_BATCHES)))
     parser.add_argument("--steps", type=int, help="updates per run (default: lcm of the N values)")
     parser.add_argument("--prompts-per-batch", type=int)
@@ -204,7 +240,14 @@ def _parse_args(argv: Sequence[str] | None):
     add_runner_arguments(parser)
     args, extra = parser.parse_known_args(argv)
     args.passthrough = parse_passthrough(parser, extra)
-    args.losses = [name.strip() for name in args.losses.split(",") if name.strip()]
+    from jaxrlhf.losses import CORRECTIONS
+
+    corrections = [c.strip() for c in args.corrections.split(",") if c.strip()]
+    unknown = sorted(set(corrections) - set(CORRECTIONS))
+    if unknown:
+        parser.error(f"--corrections: unknown {unknown}; known: {', '.join(CORRECTIONS)}")
+    args.corrections = corrections
+    args.losses = variants([n.strip() for n in args.losses.split(",") if n.strip()], corrections)
     args.mini_batches = sorted({int(n) for n in args.mini_batches.split(",") if n.strip()})
     args.seeds = parse_seeds(args.seeds)
     args.steps = args.steps or default_steps(args.mini_batches)
@@ -219,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
     runner, out = runner_from_args(args, "offpolicy")
     settings = {key: getattr(args, key) for key in (
-        "losses", "mini_batches", "seeds", "model", "steps", "prompts_per_batch",
+        "losses", "corrections", "mini_batches", "seeds", "model", "steps", "prompts_per_batch",
         "samples_per_prompt", "learning_rate", "last", "passthrough")}  # fmt: skip
 
     def write(entries):
