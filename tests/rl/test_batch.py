@@ -3,6 +3,7 @@ log-prob lands, and that a narrower (less padded) batch gives the policy the sam
 
 from __future__ import annotations
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -141,10 +142,13 @@ def test_truncated_is_weights_take_each_tokens_own_behaviour_logprob():
         arrays.sampler_logprobs, learner,
     )  # fmt: skip
     cap = 2.0
-    token = inputs.importance_weights(cap, per="token")
+    settings = ml_collections.ConfigDict(
+        {"is_correction": "truncate", "truncated_is_cap": cap, "is_low": 0.0, "is_high": 0.0}
+    )
+    token = inputs.correction(settings, per="token").weights
     sampler = np.array([-0.5, -1.0, -0.25, -2.0])
     expected = np.minimum(np.exp(np.array([-0.4, -1.5, -0.25, -1.0]) - sampler), cap)
     np.testing.assert_allclose(token[0, 1:5], expected, rtol=1e-6)
     np.testing.assert_allclose(token[1, 1:4], 1.0, rtol=1e-6)
-    sequence = inputs.importance_weights(cap, per="sequence")
+    sequence = inputs.correction(settings, per="sequence").weights
     np.testing.assert_allclose(sequence, [min(np.exp(-3.15 - -3.75), cap), 1.0], rtol=1e-5)
