@@ -89,7 +89,10 @@ def base_config() -> ml_collections.ConfigDict:
         max_response_tokens=16,
         # Each response's least length: EOS is not sampled before this many tokens (vLLM's
         # min_tokens). 0 = none. Benchmarks use it to fix the generation work per batch
-        # (bench/pipeline_modes.py --workload balanced).
+        # (bench/pipeline_modes.py --workload balanced). The sampler's log-probs are then those
+        # of the distribution with EOS masked out (renormalised), not the policy's: the `kl`
+        # metric, read from them unless loss_params.old_logprobs="learner", runs high (about
+        # 1.5 nats at step 1 of that workload, where it is 0 without it).
         min_response_tokens=0,
         weight_sync_dtype="",  # published weights: "" = the compute dtype (model.dtype)
         # Seeded generation calls: batch i's samples depend only on (seed, i, weights), so a

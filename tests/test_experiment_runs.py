@@ -87,6 +87,29 @@ def test_async_vs_sync_experiment_runs(generator_address, in_flight_server, tmp_
 
 
 @pytest.mark.slow
+def test_compute_experiment_runs(generator_address, tmp_path):
+    """K = 2 vs 4 samples per prompt, each run evaluated after every update: the curves, the
+    time to the target and the figure come from the runs' own files."""
+    out = run(["-m", "jaxrlhf.experiments.compute", "--model", "tiny", "--vary",
+               "rollout.samples_per_prompt=2,4", "--steps", "2", "--eval-every", "1", "--seeds",
+               "0", "--out", str(tmp_path), "--generator-addresses", generator_address,
+               *QUICK])  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["curves"]) == ["rollout.samples_per_prompt=2",
+                                       "rollout.samples_per_prompt=4"]  # fmt: skip
+    for variant, rows in results["curves"].items():
+        assert [r["step"] for r in rows] == [1, 2]
+        assert all(0 <= r["test"] <= 1 and r["seconds"] > 0 and r["seeds"] == 1 for r in rows)
+        assert rows[1]["seconds"] > rows[0]["seconds"]
+        run_folder = tmp_path / variant / "seed0"
+        records = [json.loads(line) for line in (run_folder / "metrics.jsonl").open()]
+        assert [r["samples"] for r in records] == [4 * int(variant[-1])] * 2
+    assert results["time_to_target"]["target"] is not None
+    assert "workload: default, one step off-policy" in out and "learner idle fraction" in out
+    assert (tmp_path / "compute.png").exists()
+
+
+@pytest.mark.slow
 def test_async_speedup_bench_runs(generator_address, tmp_path):
     out = run(["bench/async_speedup.py", "--model", "tiny", "--steps", "3", "--warmup", "1",
                "--out", str(tmp_path), f"--config.generator.addresses={generator_address}",

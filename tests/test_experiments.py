@@ -534,3 +534,96 @@ def test_pipeline_modes_figures_over_repeats_by_hand():
     text = pipeline_modes.table(result, list(per_run))
     assert "continuous / one-step-off update rate: 1.025 ± 0.225" in text
     assert "repeats per mode: 2" in text
+
+
+def compute_records(step_s, idle, evals):
+    """metrics.jsonl records of a run: step_s and learner_idle_fraction per step, kl = step/10,
+    and {step: (test, validation)} accuracies where an evaluation ran."""
+    records = []
+    for step, (seconds, waited) in enumerate(zip(step_s, idle, strict=True), start=1):
+        record = {"step": step, "step_s": seconds, "learner_idle_fraction": waited,
+                  "kl": step / 10}  # fmt: skip
+        if step in evals:
+            record["test_accuracy"], record["eval_accuracy"] = evals[step]
+        records.append(record)
+    return records
+
+
+def test_compute_curve_times_the_learner_without_evaluations():
+    from jaxrlhf.experiments import compute
+
+    # 6 steps, evaluated after 2 and 4 in the run and after 6 at the end (summary), and before.
+    records = compute_records([30, 10, 4, 11, 5, 12], [0.9, 0.5, 0.0, 0.6, 0.1, 0.5],
+                              {2: (0.2, 0.25), 4: (0.4, 0.35)})  # fmt: skip
+    summary = {"test_accuracy_start": 0.1, "eval_accuracy_start": 0.15,
+               "test_accuracy_end": 0.5, "eval_accuracy_end": 0.45}  # fmt: skip
+    curve = compute.run_curve(records, summary)
+    # Steps 1, 3 and 5 follow an evaluation: each timed as the median of steps 2, 4, 6 (11 s).
+    assert [p["step"] for p in curve] == [0, 2, 4, 6]
+    assert [p["seconds"] for p in curve] == [0.0, 11 + 10, 21 + 11 + 11, 43 + 11 + 12]
+    assert [p["test"] for p in curve] == [0.1, 0.2, 0.4, 0.5]
+    assert [p["validation"] for p in curve] == [0.15, 0.25, 0.35, 0.45]
+    assert [p["kl"] for p in curve] == [0.0, 0.2, 0.4, 0.6]
+    # Idle over steps 2, 4 and 6 only (step 1 and the steps after an evaluation left out).
+    assert compute.learner_idle(records, curve) == pytest.approx((0.5 + 0.6 + 0.5) / 3)
+    # No evaluation before training: step 1 is timed as it ran, and counts in the median
+    # (of 30, 10, 11, 12: 11.5).
+    del summary["test_accuracy_start"]
+    seconds = [p["seconds"] for p in compute.run_curve(records, summary)]
+    assert seconds == [40, 40 + 11.5 + 11, 62.5 + 11.5 + 12]
+
+
+def test_compute_curves_and_time_to_target_by_hand():
+    from jaxrlhf.experiments import compute
+
+    def curve(tests, validations, seconds):
+        return [{"step": 2 * i, "seconds": s, "kl": 0.1 * i, "test": t, "validation": v}
+                for i, (t, v, s) in enumerate(zip(tests, validations, seconds))]  # fmt: skip
+
+    runs = {
+        "k=2": {0: curve([0.1, 0.3, 0.5], [0.1, 0.2, 0.4], [0, 10, 20]),
+                1: curve([0.1, 0.2, 0.3], [0.1, 0.3, 0.5], [0, 12, 24])},
+        "k=4": {0: curve([0.1, 0.6, 0.7], [0.1, 0.6, 0.8], [0, 11, 22]),
+                1: curve([0.1, 0.4, 0.6], [0.1, 0.5, 0.6], [0, 13, 26])},
+    }  # fmt: skip
+    table = compute.curves(runs)
+    last = table["k=2"][-1]
+    assert (last["step"], last["seeds"]) == (4, 2)
+    assert last["test"] == pytest.approx(0.4) and last["test_stderr"] == pytest.approx(0.1)
+    assert last["seconds"] == pytest.approx(22) and last["kl"] == pytest.approx(0.2)
+    target = compute.time_to_target(runs, table)
+    # The lowest final mean validation accuracy: k=2's (0.4 + 0.5) / 2.
+    assert target["target"] == pytest.approx(0.45)
+    k2, k4 = target["variants"]["k=2"], target["variants"]["k=4"]
+    assert (k2["reached"], k2["step"], k2["seconds"]) == (1, 4, 20)  # seed 1 never reaches it
+    assert math.isnan(k2["step_stderr"])
+    # Seed 0 at its first evaluation (0.6 at 11 s), seed 1 at its second (0.6 at 26 s).
+    assert (k4["reached"], k4["step"], k4["seconds"]) == (2, 3, 18.5)
+    assert k4["kl"] == pytest.approx(0.15) and k4["seconds_stderr"] == pytest.approx(7.5)
+    text = compute.markdown(table, target)
+    assert "| k=4 | 2/2 | 3.0 ± 1.0 | 18 ± 8 | 0.15 ± 0.05 |" in text
+    assert "Time to 45.0% test accuracy" in text
+
+
+def test_compute_plans_each_variant_one_step_off(tmp_path):
+    from jaxrlhf.experiments import compute, load_config
+
+    args = compute._parse_args(["--workload", "generation-bound", "--vary",
+                                "train.updates_per_batch=1,4", "--seeds", "0,1", "--out",
+                                str(tmp_path)])  # fmt: skip
+    runs = compute.plan(args, tmp_path)
+    assert [(r.labels["variant"], r.labels["seed"]) for r in runs] == [
+        ("train.updates_per_batch=1", 0), ("train.updates_per_batch=1", 1),
+        ("train.updates_per_batch=4", 0), ("train.updates_per_batch=4", 1)]  # fmt: skip
+    overrides = runs[3].overrides
+    assert overrides["train.updates_per_batch"] == "4" and overrides["max_staleness"] == 1
+    assert overrides["generator.max_num_seqs"] == 1 and overrides["eval.test_every"] == 4
+    assert overrides["loss_params.old_logprobs"] == "learner"  # the KL from the learner
+    assert runs[3].folder == tmp_path / "train.updates_per_batch=4" / "seed1"
+    from jaxrlhf.config import validate
+
+    config = load_config(REPO / "configs" / "default.py", overrides)
+    validate(config)  # the run accepts them
+    assert config.train.updates_per_batch == 4 and config.rollout.min_response_tokens == 16
+    with pytest.raises(SystemExit):  # the last update must be evaluated
+        compute._parse_args(["--steps", "10", "--eval-every", "4"])
