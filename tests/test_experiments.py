@@ -578,7 +578,7 @@ def test_compute_curves_and_time_to_target_by_hand():
 
     def curve(tests, validations, seconds):
         return [{"step": 2 * i, "seconds": s, "kl": 0.1 * i, "test": t, "validation": v}
-                for i, (t, v, s) in enumerate(zip(tests, validations, seconds))]  # fmt: skip
+                for i, (t, v, s) in enumerate(zip(tests, validations, seconds, strict=True))]  # fmt: skip
 
     runs = {
         "k=2": {0: curve([0.1, 0.3, 0.5], [0.1, 0.2, 0.4], [0, 10, 20]),
