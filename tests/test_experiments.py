@@ -577,8 +577,9 @@ def test_compute_curves_and_time_to_target_by_hand():
     from jaxrlhf.experiments import compute
 
     def curve(tests, validations, seconds):
+        points = zip(tests, validations, seconds, strict=True)
         return [{"step": 2 * i, "seconds": s, "kl": 0.1 * i, "test": t, "validation": v}
-                for i, (t, v, s) in enumerate(zip(tests, validations, seconds, strict=True))]  # fmt: skip
+                for i, (t, v, s) in enumerate(points)]  # fmt: skip
 
     runs = {
         "k=2": {0: curve([0.1, 0.3, 0.5], [0.1, 0.2, 0.4], [0, 10, 20]),
