@@ -140,3 +140,11 @@ def read_run(output_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, An
             raise FileNotFoundError(f"{out / name} is missing: the run did not finish")
     records = sorted(read_jsonl(out / "metrics.jsonl"), key=lambda r: r["step"])
     return records, json.loads((out / "summary.json").read_text())
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Writes a matplotlib Figure to `path` (its folder made first); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out

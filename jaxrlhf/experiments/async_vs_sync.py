@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxrlhf.experiments import save_figure
 from jaxrlhf.experiments.runner import (
     PlannedRun,
     add_runner_arguments,
@@ -56,7 +57,13 @@ from jaxrlhf.experiments.runner import (
     parse_seeds,
     runner_from_args,
 )
-from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr, paired_difference, within
+from jaxrlhf.experiments.stats import (
+    format_mean_stderr,
+    mean_stderr,
+    paired_difference,
+    within,
+    zero_if_nan,
+)
 
 MODES = {"sync": 0, "async": 1}  # mode -> max_staleness
 SPLITS = {"test": "test_accuracy", "validation": "eval_accuracy"}
@@ -161,11 +168,11 @@ def plot_results(
     x = list(range(len(test)))
     for offset, mode in ((-0.1, "sync"), (0.1, "async")):
         left.errorbar([i + offset for i in x], [r[mode] * 100 for r in test],
-                      yerr=[_zero_if_nan(r[f"{mode}_stderr"]) * 100 for r in test],
+                      yerr=[zero_if_nan(r[f"{mode}_stderr"]) * 100 for r in test],
                       fmt="o", capsize=4, label=mode)  # fmt: skip
     left.set_ylabel("test accuracy (%), mean ± s.e. over seeds")
     right.errorbar(x, [r["difference"] * 100 for r in test],
-                   yerr=[_zero_if_nan(r["difference_stderr"]) * 100 for r in test],
+                   yerr=[zero_if_nan(r["difference_stderr"]) * 100 for r in test],
                    fmt="o", capsize=4, color="C2")  # fmt: skip
     right.axhline(0.0, color="gray", lw=1)
     right.set_ylabel("async − sync, paired (points), ± s.e.")
@@ -175,14 +182,7 @@ def plot_results(
     left.legend()
     seeds = max((r["paired_seeds"] for r in test), default=0)
     fig.suptitle(f"{title}, {seeds} seeds")
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    return out
-
-
-def _zero_if_nan(value: float) -> float:
-    return value if math.isfinite(value) else 0.0
+    return save_figure(fig, path)
 
 
 # --async-mode -> (the async runs' folder name, their overrides besides max_staleness=1).

@@ -58,7 +58,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.experiments import read_jsonl
+from jaxrlhf.experiments import read_jsonl, save_figure
 from jaxrlhf.experiments.async_vs_sync import parse_vary, variant_label
 from jaxrlhf.experiments.runner import (
     PlannedRun,
@@ -68,7 +68,7 @@ from jaxrlhf.experiments.runner import (
     parse_seeds,
     runner_from_args,
 )
-from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr
+from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr, zero_if_nan
 
 WORKLOADS = {
     "default": {},
@@ -212,7 +212,7 @@ def plot(table: dict[str, list[dict[str, Any]]], path: str | Path, title: str) -
     for variant, rows in table.items():
         for i, (key, scale) in enumerate((("test", 100.0), ("kl", 1.0))):
             y = [r[key] * scale for r in rows]
-            err = [_finite(r[f"{key}_stderr"]) * scale for r in rows]
+            err = [zero_if_nan(r[f"{key}_stderr"]) * scale for r in rows]
             for j, x_key in enumerate(("step", "seconds")):
                 x = [r[x_key] for r in rows]
                 axes[i][j].errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=variant)
@@ -225,14 +225,7 @@ def plot(table: dict[str, list[dict[str, Any]]], path: str | Path, title: str) -
     axes[0][0].legend(fontsize="small")
     seeds = max((r["seeds"] for rows in table.values() for r in rows), default=0)
     fig.suptitle(f"{title}, {seeds} seeds")
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    return out
-
-
-def _finite(value: float) -> float:
-    return value if math.isfinite(value) else 0.0
+    return save_figure(fig, path)
 
 
 def plan(args, out: Path) -> list[PlannedRun]:

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxrlhf.experiments import save_figure
 from jaxrlhf.experiments.runner import (
     PlannedRun,
     add_runner_arguments,
@@ -55,7 +56,7 @@ from jaxrlhf.experiments.runner import (
     parse_seeds,
     runner_from_args,
 )
-from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr
+from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr, zero_if_nan
 
 DEFAULT_LOSSES = ("online_dpo", "ppo", "rloo")
 DEFAULT_MINI_BATCHES = (1, 2, 4, 8, 16, 64)
@@ -172,7 +173,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, steps: int) -
                 ax.errorbar(
                     [r["num_mini_batches"] for r in points],
                     [r[key] * scale for r in points],
-                    yerr=[_zero_if_nan(r[f"{key}_stderr"]) * scale for r in points],
+                    yerr=[zero_if_nan(r[f"{key}_stderr"]) * scale for r in points],
                     fmt="o-", capsize=3, label=loss,
                 )  # fmt: skip
         if key == "test_accuracy_end":
@@ -189,14 +190,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, steps: int) -
     seeds = sorted({r["seeds"] for r in done})
     fig.suptitle(f"Off-policy RLHF: {steps} updates per run, mean ± s.e. over "
                  f"{'/'.join(map(str, seeds))} seeds")  # fmt: skip
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    return out
-
-
-def _zero_if_nan(value: float) -> float:
-    return value if math.isfinite(value) else 0.0
+    return save_figure(fig, path)
 
 
 def run_overrides(args, loss: str, num_mini_batches: int, seed: int, folder: Path):

@@ -43,3 +43,8 @@ def format_mean_stderr(mean: float, stderr: float, scale: float = 1.0, digits: i
     if not math.isfinite(stderr):
         return f"{mean * scale:.{digits}f}"
     return f"{mean * scale:.{digits}f} ± {stderr * scale:.{digits}f}"
+
+
+def zero_if_nan(value: float) -> float:
+    """An error bar's half-width: 0 where there is no error (one seed)."""
+    return value if math.isfinite(value) else 0.0
