@@ -377,12 +377,16 @@ def test_async_vs_sync_pairs_seeds_and_chooses_on_validation(tmp_path, capsys):
     assert "| train.learning_rate=b (chosen) | test | 4 | 35.0 ± 2.9 |" in printed
 
 
-def test_async_vs_sync_vary_parsing():
-    assert async_vs_sync.parse_vary("") == ("", [""])
-    assert async_vs_sync.parse_vary("train.learning_rate=3e-6, 1e-5") == (
+def test_vary_parsing():
+    from jaxrlhf.experiments.runner import parse_vary
+
+    assert parse_vary("") == ("", [""])
+    assert parse_vary("train.learning_rate=3e-6, 1e-5") == (
         "train.learning_rate", ["3e-6", "1e-5"])  # fmt: skip
     with pytest.raises(ValueError, match="KEY=V1,V2"):
-        async_vs_sync.parse_vary("train.learning_rate")
+        parse_vary("train.learning_rate")
+    with pytest.raises(SystemExit):  # the experiments' command lines say so
+        async_vs_sync._parse_args(["--vary", "train.learning_rate"])
 
 
 def test_async_vs_sync_plans_continuous_async_beside_the_shared_sync_runs(tmp_path):

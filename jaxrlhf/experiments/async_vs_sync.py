@@ -51,11 +51,10 @@ from typing import Any
 from jaxrlhf.experiments import save_figure
 from jaxrlhf.experiments.runner import (
     PlannedRun,
-    add_runner_arguments,
     common_overrides,
-    parse_passthrough,
-    parse_seeds,
+    parse_experiment_args,
     runner_from_args,
+    variant_label,
 )
 from jaxrlhf.experiments.stats import (
     format_mean_stderr,
@@ -67,20 +66,6 @@ from jaxrlhf.experiments.stats import (
 
 MODES = {"sync": 0, "async": 1}  # mode -> max_staleness
 SPLITS = {"test": "test_accuracy", "validation": "eval_accuracy"}
-
-
-def parse_vary(text: str) -> tuple[str, list[str]]:
-    """ "KEY=V1,V2" -> (KEY, [V1, V2]); "" -> ("", [""]) (one variant: the config as is)."""
-    if not text:
-        return "", [""]
-    key, _, values = text.partition("=")
-    if not key or not values:
-        raise ValueError(f"--vary {text!r}: expected KEY=V1,V2,... (e.g. train.learning_rate=3e-6)")
-    return key, [v.strip() for v in values.split(",") if v.strip()]
-
-
-def variant_label(key: str, value: str) -> str:
-    return f"{key}={value}" if key else "default"
 
 
 def accuracy_at(entry: dict[str, Any], split: str, step: int, steps: int) -> float | None:
@@ -230,15 +215,7 @@ def _parse_args(argv: Sequence[str] | None):
         help="how the async runs generate (module docstring)",
     )
     parser.add_argument("--out", default="runs/async_vs_sync")
-    add_runner_arguments(parser)
-    args, extra = parser.parse_known_args(argv)
-    args.passthrough = parse_passthrough(parser, extra)
-    args.seeds = parse_seeds(args.seeds)
-    try:
-        args.vary = parse_vary(args.vary)
-    except ValueError as error:
-        parser.error(str(error))
-    return args
+    return parse_experiment_args(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -59,14 +59,12 @@ from pathlib import Path
 from typing import Any
 
 from jaxrlhf.experiments import read_jsonl, save_figure
-from jaxrlhf.experiments.async_vs_sync import parse_vary, variant_label
 from jaxrlhf.experiments.runner import (
     PlannedRun,
-    add_runner_arguments,
     common_overrides,
-    parse_passthrough,
-    parse_seeds,
+    parse_experiment_args,
     runner_from_args,
+    variant_label,
 )
 from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr, zero_if_nan
 
@@ -276,14 +274,7 @@ def _parse_args(argv: Sequence[str] | None):
     parser.add_argument("--eval-every", type=int, default=4, help="updates between evaluations")
     parser.add_argument("--vary", default="", help="KEY=V1,V2: one config key's values")
     parser.add_argument("--out", default="runs/compute")
-    add_runner_arguments(parser)
-    args, extra = parser.parse_known_args(argv)
-    args.passthrough = parse_passthrough(parser, extra)
-    args.seeds = parse_seeds(args.seeds)
-    try:
-        args.vary = parse_vary(args.vary)
-    except ValueError as error:
-        parser.error(str(error))
+    args = parse_experiment_args(parser, argv)
     if args.eval_every < 1 or args.steps % args.eval_every:
         parser.error(f"--eval-every {args.eval_every} must divide --steps {args.steps}")
     return args

@@ -223,6 +223,36 @@ def add_runner_arguments(parser) -> None:
     )
 
 
+def parse_experiment_args(parser, argv: Sequence[str] | None):
+    """An experiment's command line with the runner's flags (`add_runner_arguments`): seeds as
+    a list, `--config.KEY=VALUE` pass-throughs in `args.passthrough`, and `--vary` (when the
+    parser has it) as (KEY, values) (`parse_vary`)."""
+    add_runner_arguments(parser)
+    args, extra = parser.parse_known_args(argv)
+    args.passthrough = parse_passthrough(parser, extra)
+    args.seeds = parse_seeds(args.seeds)
+    if hasattr(args, "vary"):
+        try:
+            args.vary = parse_vary(args.vary)
+        except ValueError as error:
+            parser.error(str(error))
+    return args
+
+
+def parse_vary(text: str) -> tuple[str, list[str]]:
+    """ "KEY=V1,V2" -> (KEY, [V1, V2]); "" -> ("", [""]) (one variant: the config as is)."""
+    if not text:
+        return "", [""]
+    key, _, values = text.partition("=")
+    if not key or not values:
+        raise ValueError(f"--vary {text!r}: expected KEY=V1,V2,... (e.g. train.learning_rate=3e-6)")
+    return key, [v.strip() for v in values.split(",") if v.strip()]
+
+
+def variant_label(key: str, value: str) -> str:
+    return f"{key}={value}" if key else "default"
+
+
 def parse_passthrough(parser, extra: Sequence[str]) -> dict[str, str]:
     """`--config.KEY=VALUE` arguments passed to every run; anything else is an error."""
     unknown = [a for a in extra if not a.startswith("--config.") or "=" not in a]
