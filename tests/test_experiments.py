@@ -562,16 +562,16 @@ def test_compute_curve_times_the_learner_without_evaluations():
     summary = {"test_accuracy_start": 0.1, "eval_accuracy_start": 0.15,
                "test_accuracy_end": 0.5, "eval_accuracy_end": 0.45}  # fmt: skip
     curve = compute.run_curve(records, summary)
-    # Steps 1, 3 and 5 follow an evaluation: each timed as the median of steps 2, 4, 6 (11 s).
+    # Steps 3 and 5 follow an evaluation during the run: each timed as the median of steps
+    # 1, 2, 4 and 6 (30, 10, 11, 12: 11.5). Step 1 keeps its time (nothing overlaps it).
     assert [p["step"] for p in curve] == [0, 2, 4, 6]
-    assert [p["seconds"] for p in curve] == [0.0, 11 + 10, 21 + 11 + 11, 43 + 11 + 12]
+    assert [p["seconds"] for p in curve] == [0.0, 40, 40 + 11.5 + 11, 62.5 + 11.5 + 12]
     assert [p["test"] for p in curve] == [0.1, 0.2, 0.4, 0.5]
     assert [p["validation"] for p in curve] == [0.15, 0.25, 0.35, 0.45]
     assert [p["kl"] for p in curve] == [0.0, 0.2, 0.4, 0.6]
     # Idle over steps 2, 4 and 6 only (step 1 and the steps after an evaluation left out).
     assert compute.learner_idle(records, curve) == pytest.approx((0.5 + 0.6 + 0.5) / 3)
-    # No evaluation before training: step 1 is timed as it ran, and counts in the median
-    # (of 30, 10, 11, 12: 11.5).
+    # Without the evaluation before training, the same times without the point at 0.
     del summary["test_accuracy_start"]
     seconds = [p["seconds"] for p in compute.run_curve(records, summary)]
     assert seconds == [40, 40 + 11.5 + 11, 62.5 + 11.5 + 12]

@@ -33,9 +33,10 @@ at the end. Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to 
 
 Time is the learner's: the sum of `step_s` (waiting for the batch, the update, publishing)
 over the steps, evaluations excluded. A one-step-off producer keeps generating while the
-learner evaluates, so the step after an evaluation waits less than it would have: its time is
-replaced by the median step time of the run's other steps (the same correction for every
-variant).
+learner evaluates during the run, so the step after such an evaluation waits less than it
+would have: its time is replaced by the median step time of the run's other steps (the same
+correction for every variant). The first step keeps its own time (the first batch, which
+nothing overlaps, and the learner's compilation).
 
 Per variant and evaluation step: test and validation accuracy and KL (mean of the step's `kl`),
 mean ± standard error over the seeds, at the mean time. "Time to a target accuracy": the
@@ -90,7 +91,7 @@ def run_curve(records: Sequence[dict[str, Any]], summary: dict[str, Any]) -> lis
     last = records[-1]["step"] if records else 0
     if summary.get("test_accuracy_end") is not None:
         evaluated.add(last)
-    after_eval = {step + 1 for step in evaluated} | ({1} if _start_point(summary) else set())
+    after_eval = {step + 1 for step in evaluated}
     plain = [r["step_s"] for r in records if r["step"] not in after_eval]
     typical = statistics.median(plain) if plain else None
     points, seconds = [], 0.0
