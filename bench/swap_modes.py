@@ -8,7 +8,9 @@ The same asynchronous run (`configs/tiny.py`, or `--model`: one step off-policy,
 published after every update, long responses so that generating a batch takes longer than
 learning from one: g > t) is run with its generator in each variant (`--variants`): `drain`,
 `in-flight-keep` and `in-flight-recompute` (`generator.swap_mode`, `generator.in_flight_kv`;
-`python -m generator_service --swap-mode --in-flight-kv`). A variant's runs share one service,
+`python -m generator_service --swap-mode --in-flight-kv`), with staged swaps (the default),
+and `drain-no-stage`, `in-flight-keep-no-stage` loading each update in the pause
+(`generator.stage=false`, `--no-stage`). A variant's runs share one service,
 started by its first run, or the running one `--generators` gives for it
 (`drain=HOST:PORT,...`; jaxrlhf/experiments/services.py). The
 generator is pinned to `--cpus-generator`, the learner to `--cpus-learner`. Each run is a plain
@@ -24,7 +26,8 @@ step is left out: no batch is generated after it, so its publish never waits in 
   weight_sync_s in records older than it), and each part, with the publish's own seconds
   (weight_sync_s: with `generator.publish_in_background` it runs beside the learner's step);
 - generator idle: generator_idle_s, the seconds within the step during which the generator
-  generated nothing (no request running, or paused for a swap; from GetStatus.idle_seconds), and
+  generated nothing (no request running, or paused for a swap; from GetStatus.idle_seconds),
+  of which generator_pause_s paused for the swaps of the step's publishes, and
   generator_requests_mean, the requests it was generating on average, and generator_occupancy,
   that mean ÷ its capacity (max_num_seqs);
 - token staleness: token_staleness_mean, and mixed_version_fraction (samples that span a swap).
@@ -51,7 +54,12 @@ from jaxrlhf.experiments import (
 from jaxrlhf.experiments.runner import parse_passthrough
 from jaxrlhf.experiments.services import SWAP_SETTINGS, parse_generators, run_side_by_side
 
-VARIANTS = SWAP_SETTINGS  # name -> (generator.swap_mode, generator.in_flight_kv)
+# name -> (generator.swap_mode, generator.in_flight_kv, generator.stage)
+VARIANTS = {
+    **{name: (*setting, True) for name, setting in SWAP_SETTINGS.items()},
+    "drain-no-stage": ("drain", "keep", False),
+    "in-flight-keep-no-stage": ("in-flight", "keep", False),
+}
 FIGURES = (
     ("time per update (s)", "step_s"),
     ("learner idle (s)", "learner_idle_s"),
@@ -59,6 +67,7 @@ FIGURES = (
     ("  waiting on publishing", "publish_blocked_s"),
     ("publish (s)", "weight_sync_s"),
     ("generator idle (s)", "generator_idle_s"),
+    ("  paused for swaps", "generator_pause_s"),
     ("generator requests (mean)", "generator_requests_mean"),
     ("generator occupancy", "generator_occupancy"),
     ("generation per batch (s)", "generate_s"),
@@ -138,11 +147,12 @@ def table(result: dict[str, Any]) -> str:
 
 
 def overrides_for(args, variant: str, folder: Path) -> dict[str, Any]:
-    swap_mode, in_flight_kv = VARIANTS[variant]
+    swap_mode, in_flight_kv, stage = VARIANTS[variant]
     overrides: dict[str, Any] = {
         **timed_run_overrides(folder, args.steps),
         "generator.swap_mode": swap_mode,
         "generator.in_flight_kv": in_flight_kv,
+        "generator.stage": stage,
         "max_staleness": args.max_staleness,
         "rollout.max_response_tokens": args.max_response_tokens,
         "rollout.prompts_per_batch": args.prompts_per_batch,

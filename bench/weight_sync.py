@@ -1,8 +1,8 @@
 """Weight sync: JAX arrays -> generator service -> "swap done", by both transports, next to an
 in-process vLLM `reload_weights` of the same tensors, measured side by side in one run.
 
-    python bench/weight_sync.py                 # SmolLM2-135M, fp32 and bf16
-    python bench/weight_sync.py --dtypes bfloat16 --repeats 9
+    python bench/weight_sync.py                 # SmolLM2-135M, fp32 and bf16, staged and not
+    python bench/weight_sync.py --dtypes bfloat16 --repeats 9 --stage on
 
 End to end = converting the (sharded) Flax params to the HF layout tensor by tensor, getting them
 to the service, validating, and swapping them in: vLLM's `reload_weights` on views of a mapped
@@ -20,9 +20,18 @@ is the conversion alone (iterating `iter_hf_tensors` and making each tensor cont
 one copy every consumer makes); `{transport}_pause_s` is the part of the update during which the
 service paused generation (reload, tied-head repack, prefix-cache reset), `{transport}_stage_s`
 the part before it, while generation could go on (receiving and checking the update), and
-`{transport}_pause_over_in_process` the pause ÷ the in-process reload. Prints one JSON line
-per dtype: medians over the repeats (the first update of a server is the slowest: its files and
-buffers are new), and the fastest repeat of each.
+`{transport}_pause_over_in_process` the pause ÷ the in-process reload.
+
+Two services per dtype, one after the other: `stage: true` stages each update (converts it into
+the engine's layout in a thread of the worker while generation could go on, then pauses only to
+copy it in: generator_service/staging.py), `stage: false` (`--no-stage`) loads it in the pause.
+With staging, `{transport}_stage_s` also holds the staging and the pause is the commit; its
+`{transport}_over_in_process` ratios are the targets (pause <= 0.25, end to end <= 1.5). Prints
+one JSON line per dtype and mode: medians over the repeats, and the fastest repeat of each, after
+`--warmup` updates by each transport (and as many in-process reloads) that are not measured: a
+service's first updates are its slowest (its files and buffers are new; a staging worker's
+allocator reaches the steady state where each stage reuses the memory the one before freed after
+a few updates).
 """
 
 from __future__ import annotations
@@ -57,7 +66,9 @@ def engine_in_this_process():
             os.environ[key] = previous
 
 
-def in_process_reload_seconds(model_dir: Path, dtype: str, tensors, repeats: int) -> list[float]:
+def in_process_reload_seconds(
+    model_dir: Path, dtype: str, tensors, repeats: int, warmup: int
+) -> list[float]:
     import torch
     from vllm import LLM
 
@@ -68,10 +79,11 @@ def in_process_reload_seconds(model_dir: Path, dtype: str, tensors, repeats: int
     with engine_in_this_process():
         llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, max_model_len=256,
                   gpu_memory_utilization=0.3)  # fmt: skip
-        for _ in range(repeats):
+        for repeat in range(warmup + repeats):
             start = time.perf_counter()
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(torch_tensors)})
-            times.append(time.perf_counter() - start)
+            if repeat >= warmup:
+                times.append(time.perf_counter() - start)
         del llm
     return times
 
@@ -81,6 +93,14 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--warmup", type=int, default=3,
+        help="updates by each transport (and in-process reloads) before those measured",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stage", default="on,off",
+        help="services to measure: staged (on), reloading in the pause (off), or both",
+    )  # fmt: skip
     parser.add_argument(
         "--address", default="",
         help="a running service of --model in the one dtype of --dtypes, instead of starting "
@@ -92,8 +112,6 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
     from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, load_pretrained
-    from jaxrlhf.rl.pool import GeneratorPool
-    from jaxrlhf.rl.service import start_server
 
     model_dir = Path(args.model)
     if args.model == "smollm2":
@@ -110,55 +128,80 @@ def main() -> None:
             for _name, array in iter_hf_tensors(model, params, dtype):
                 np.ascontiguousarray(array)  # the one copy every consumer makes
             convert_times.append(time.perf_counter() - start)
-        server, address = None, args.address
-        if not address:
-            log = Path(tempfile.mkdtemp()) / "generator.log"
-            server = start_server(model_dir, log, ["--dtype", dtype, "--max-model-len", "256"])
-            address = server.address
-        pools = {t: GeneratorPool([address], transport=t) for t in ("stream", "shared")}
-        times: dict[str, list[float]] = {t: [] for t in pools}
-        pauses: dict[str, list[float]] = {t: [] for t in pools}
-        stages: dict[str, list[float]] = {t: [] for t in pools}
-        try:
-            (status,) = pools["stream"].wait_until_serving()
-            if status.dtype != dtype or Path(status.model).resolve() != model_dir.resolve():
-                raise SystemExit(f"{address} serves {status.model} in {status.dtype}, not "
-                                 f"{model_dir} in {dtype}")  # fmt: skip
-            version = status.policy_version
-            for _ in range(args.repeats):
-                for transport, pool in pools.items():
-                    version += 1
-                    stats = pool.publish_weights(
-                        lambda d=dtype: iter_hf_tensors(model, params, d), len(specs), version,
-                        specs=specs,
-                    )  # fmt: skip
-                    times[transport].append(stats.seconds)
-                    pauses[transport].append(stats.pause_seconds)
-                    stages[transport].append(stats.stage_seconds)
-        finally:
-            for pool in pools.values():
-                pool.close()
-            if server is not None:
-                server.terminate()
         tensors = list(iter_hf_tensors(model, params, "float32"))
-        reload_times = in_process_reload_seconds(model_dir, dtype, tensors, args.repeats)
-        reload_s = statistics.median(reload_times)
-        row = {"model": args.model, "dtype": dtype, "tensors": len(specs), "bytes": num_bytes,
-               "in_process_reload_s": round(reload_s, 3),
-               "in_process_reload_min_s": round(min(reload_times), 3),
-               "convert_s": round(statistics.median(convert_times), 3)}  # fmt: skip
-        for transport, seconds in times.items():
-            median = statistics.median(seconds)
-            row[f"{transport}_s"] = round(median, 3)
-            row[f"{transport}_min_s"] = round(min(seconds), 3)
-            row[f"{transport}_gb_per_s"] = round(num_bytes / median / 1e9, 3)
-            row[f"{transport}_ratio_over_in_process"] = round(median / reload_s, 2)
-            row[f"{transport}_pause_s"] = round(statistics.median(pauses[transport]), 3)
-            row[f"{transport}_stage_s"] = round(statistics.median(stages[transport]), 3)
-            row[f"{transport}_pause_over_in_process"] = round(
-                statistics.median(pauses[transport]) / reload_s, 2
-            )
-        print(json.dumps(row), flush=True)
+        reload_times = in_process_reload_seconds(
+            model_dir, dtype, tensors, args.repeats, args.warmup
+        )
+        modes = [None] if args.address else args.stage.split(",")
+        for mode in modes:
+            row = measure_service(args, model, params, model_dir, dtype, specs, mode)
+            row.update(model=args.model, dtype=dtype, tensors=len(specs), bytes=num_bytes,
+                       convert_s=round(statistics.median(convert_times), 3))  # fmt: skip
+            print(json.dumps(summarize(row, reload_times, num_bytes)), flush=True)
+
+
+def measure_service(args, model, params, model_dir, dtype, specs, mode) -> dict:
+    """Publishes `args.repeats` updates by each transport, alternating, to `args.address` or to a
+    service started here (`mode` "on": staged, "off": --no-stage); their seconds."""
+    from jaxrlhf.models import iter_hf_tensors
+    from jaxrlhf.rl.pool import GeneratorPool
+    from jaxrlhf.rl.service import start_server
+
+    server, address = None, args.address
+    if not address:
+        log = Path(tempfile.mkdtemp()) / "generator.log"
+        stage = {"on": "--stage", "off": "--no-stage"}[mode]
+        server = start_server(model_dir, log, ["--dtype", dtype, "--max-model-len", "256", stage])
+        address = server.address
+    pools = {t: GeneratorPool([address], transport=t) for t in ("stream", "shared")}
+    times: dict[str, list[float]] = {t: [] for t in pools}
+    pauses: dict[str, list[float]] = {t: [] for t in pools}
+    stages: dict[str, list[float]] = {t: [] for t in pools}
+    try:
+        (status,) = pools["stream"].wait_until_serving()
+        if status.dtype != dtype or Path(status.model).resolve() != model_dir.resolve():
+            raise SystemExit(f"{address} serves {status.model} in {status.dtype}, not "
+                             f"{model_dir} in {dtype}")  # fmt: skip
+        version = status.policy_version
+        staged = status.staged_swaps
+        for repeat in range(args.warmup + args.repeats):
+            for transport, pool in pools.items():
+                version += 1
+                stats = pool.publish_weights(
+                    lambda d=dtype: iter_hf_tensors(model, params, d), len(specs), version,
+                    specs=specs,
+                )  # fmt: skip
+                if repeat < args.warmup:
+                    continue
+                times[transport].append(stats.seconds)
+                pauses[transport].append(stats.pause_seconds)
+                stages[transport].append(stats.stage_seconds)
+    finally:
+        for pool in pools.values():
+            pool.close()
+        if server is not None:
+            server.terminate()
+    return {"stage": staged, "times": times, "pauses": pauses, "stages": stages}
+
+
+def summarize(measured: dict, reload_times: list[float], num_bytes: int) -> dict:
+    """One JSON row: the medians and ratios described in the module docstring."""
+    reload_s = statistics.median(reload_times)
+    times, pauses, stages = (measured.pop(k) for k in ("times", "pauses", "stages"))
+    row = {**measured, "in_process_reload_s": round(reload_s, 3),
+           "in_process_reload_min_s": round(min(reload_times), 3)}  # fmt: skip
+    for transport, seconds in times.items():
+        median = statistics.median(seconds)
+        row[f"{transport}_s"] = round(median, 3)
+        row[f"{transport}_min_s"] = round(min(seconds), 3)
+        row[f"{transport}_gb_per_s"] = round(num_bytes / median / 1e9, 3)
+        row[f"{transport}_ratio_over_in_process"] = round(median / reload_s, 2)
+        row[f"{transport}_pause_s"] = round(statistics.median(pauses[transport]), 3)
+        row[f"{transport}_stage_s"] = round(statistics.median(stages[transport]), 3)
+        row[f"{transport}_pause_over_in_process"] = round(
+            statistics.median(pauses[transport]) / reload_s, 3
+        )
+    return row
 
 
 if __name__ == "__main__":

@@ -118,6 +118,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="where weight updates are staged (default /dev/shm, else the temp folder)",
     )
+    parser.add_argument(
+        "--stage",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stage each weight update (convert it into the engine's layout while generation "
+        "goes on, then pause only to copy it in): one more copy of the weights in memory while "
+        "an update is staged; --no-stage reloads in the pause, with one copy",
+    )
+    parser.add_argument(
+        "--stage-threads",
+        type=int,
+        default=1,
+        help="CPU threads of the staging thread (default 1: on a CPU backend it shares the cores "
+        "with generation; 0: torch's default)",
+    )
     parser.add_argument("--shutdown-grace", type=float, default=10.0)
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
@@ -164,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
         print(f"error: a KV cache of {args.kv_cache_gib} GiB: it must be > 0", file=sys.stderr)
         return 2
+    if args.stage_threads < 0:
+        print(f"error: --stage-threads={args.stage_threads}: must be >= 0", file=sys.stderr)
+        return 2
     if args.cpu_reserved_cores is not None:
         if args.cpu_reserved_cores < 0:
             print(f"error: --cpu-reserved-cores={args.cpu_reserved_cores}: must be >= 0",
@@ -207,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
         swap_mode=args.swap_mode,
         in_flight_kv=args.in_flight_kv,
+        stage=args.stage,
+        stage_threads=args.stage_threads,
     )
     options = ServerOptions(
         host=args.host,

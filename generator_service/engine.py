@@ -88,6 +88,12 @@ class EngineConfig:
     # See the module docstring.
     swap_mode: str = "drain"
     in_flight_kv: str = "keep"
+    # Staged swaps (staging.py): the update is converted into the engine's layout while
+    # generation goes on, and the pause only commits it. False: reload in the pause (one copy of
+    # the weights instead of two). `stage_threads`: CPU threads of the staging thread (on a
+    # CPU backend it shares the cores with generation).
+    stage: bool = True
+    stage_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.swap_mode not in SWAP_MODES:
@@ -99,6 +105,10 @@ class EngineConfig:
 
 
 GIB = 1 << 30
+# How often a swap asks the workers whether its update is staged: every 5 ms at first, then
+# less and less often, down to every 50 ms (each ask is an RPC through the engine's loop, which
+# costs CPU that the staging thread would otherwise have).
+STAGE_POLL_SECONDS = (0.005, 0.05)
 # How long a stopping service waits for its engine processes before killing them. vLLM's own
 # default (5 s) is mostly spent after the work is done: its worker lingers ~3 s after its
 # queues close, then the engine core ~2 s more until it is killed anyway.
@@ -185,6 +195,38 @@ class Occupancy:
         self._advance()
         seconds = self._since - self._started
         return self.request_seconds / (seconds * self.capacity) if seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SwapTimes:
+    """What a swap took: `stage_seconds` while generation went on (converting the update into
+    the engine's layout; 0 when not staged), `pause_seconds` while it was held back, and
+    `stage_tokens`, the tokens generated while the update was staged (a lower bound: read every
+    few ms from the engine's running requests)."""
+
+    stage_seconds: float = 0.0
+    pause_seconds: float = 0.0
+    stage_tokens: int = 0
+
+
+class TokenCounter:
+    """Counts the tokens that running requests generate between `__init__` and the last
+    `update` (requests that finish in between count up to the last update that saw them)."""
+
+    def __init__(self, request_states) -> None:
+        self._states = request_states
+        self._first = self._read()
+        self._last = dict(self._first)
+
+    def _read(self) -> dict[str, int]:
+        return {
+            request_id: state.detokenizer.num_output_tokens()
+            for request_id, state in list(self._states.items())
+        }
+
+    def update(self) -> int:
+        self._last.update(self._read())
+        return sum(n - self._first.get(request_id, 0) for request_id, n in self._last.items())
 
 
 def token_versions(spans, num_tokens: int) -> list[int] | None:
@@ -291,6 +333,8 @@ class GeneratorEngine:
         # (seen on SmolLM2 with ~40 requests at once); short prompts alone never hit it.
         self.per_request_seeds = not current_platform.is_cpu()
         self.occupancy = Occupancy(self.max_num_seqs)
+        # Why this engine's updates cannot be staged (they are then reloaded in the pause).
+        self.stage_unsupported = ""
 
     async def start(self) -> None:
         """Labels the engine's weights with version 0 (vLLM's weight-version spans)."""
@@ -537,34 +581,103 @@ class GeneratorEngine:
         tensors: list[StagedTensor],
         policy_version: int,
         allow_rollback: bool = False,
-    ) -> float:
-        """Loads a validated, complete update staged in `staging_path` as `policy_version`;
-        returns the seconds the swap held generation back (in "drain" mode from when new calls
-        were held at the gate, through the drain and the load; in "in-flight" mode the load).
+    ) -> SwapTimes:
+        """Loads a validated, complete update staged in `staging_path` as `policy_version`.
 
-        A caller cancelled (a client's cancel or deadline) before the swap begins leaves
-        everything as it was; once the swap has begun, the cancellation waits for it to end:
+        Staged (`EngineConfig.stage`, see staging.py): the update is first converted into the
+        engine's layout while generation goes on, then committed in the pause. A stage that
+        fails is refused with the served weights untouched (still SERVING). `pause_seconds`:
+        in "drain" mode from when new calls were held at the gate, through the drain and the
+        commit (or load); in "in-flight" mode the commit (or load).
+
+        A caller cancelled (a client's cancel or deadline) before the pause begins leaves
+        everything as it was; once the pause has begun, the cancellation waits for it to end:
         the swap completes, or fails and leaves the server NOT_SERVING. It never stops with the
         scheduler paused, nor with new or partial weights serving under the old version."""
-        started = time.monotonic()
-        async with self._gate.write():
-            reload = self._reload(staging_path, tensors, policy_version, allow_rollback)
-            await finish_despite_cancellation(asyncio.ensure_future(reload))
-        return time.monotonic() - started
+        self._check_newer(policy_version, allow_rollback)
+        manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
+        staging = self.config.stage and not self.stage_unsupported
+        staged, stage_seconds, stage_tokens = False, 0.0, 0
+        try:
+            if staging:
+                started = time.monotonic()
+                staged, stage_tokens = await self._stage(staging_path, manifest, policy_version)
+                stage_seconds = time.monotonic() - started
+            started = time.monotonic()
+            async with self._gate.write():
+                reload = self._reload(
+                    staging_path, manifest, policy_version, allow_rollback, staged
+                )
+                await finish_despite_cancellation(asyncio.ensure_future(reload))
+            pause_seconds = time.monotonic() - started
+        finally:
+            if staging:  # (also when cancelled or refused while staging)
+                await finish_despite_cancellation(asyncio.ensure_future(self._drop_stage()))
+        return SwapTimes(stage_seconds, pause_seconds, stage_tokens)
 
-    async def _reload(
-        self,
-        staging_path: str,
-        tensors: list[StagedTensor],
-        policy_version: int,
-        allow_rollback: bool,
-    ) -> None:
+    def _check_newer(self, policy_version: int, allow_rollback: bool) -> None:
         if policy_version <= self.policy_version and not allow_rollback:
             raise WeightUpdateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"policy_version {policy_version} is not newer than the served version "
                 f"{self.policy_version}",
             )
+
+    async def _stage(self, path: str, manifest: list, policy_version: int) -> tuple[bool, int]:
+        """Stages the update in the workers and waits until every one has it; returns (staged,
+        tokens generated meanwhile). (False, 0): this model cannot be staged (logged once; it is
+        then reloaded in the pause). Raises WeightUpdateError if a stage fails."""
+        reasons = await self._llm.collective_rpc(
+            "jaxrlhf_stage_weights",
+            kwargs={"path": path, "tensors": manifest, "threads": self.config.stage_threads},
+        )
+        tokens = TokenCounter(self._llm.output_processor.request_states)
+        poll = STAGE_POLL_SECONDS[0]
+        while True:
+            statuses = []
+            if not any(reasons):
+                statuses = await self._llm.collective_rpc("jaxrlhf_stage_status")
+            generated = tokens.update()
+            unsupported = [*filter(None, reasons)] + [
+                s["error"] for s in statuses if s["state"] == "unsupported"
+            ]
+            if unsupported:
+                await self._drop_stage()
+                self.stage_unsupported = unsupported[0]
+                logger.warning("staged swaps are off: %s", self.stage_unsupported)
+                return False, 0
+            failed = [s["error"] for s in statuses if s["state"] == "failed"]
+            if failed:
+                await self._drop_stage()
+                raise WeightUpdateError(
+                    grpc.StatusCode.INTERNAL,
+                    f"staging policy_version {policy_version} failed: {failed[0]}; the served "
+                    f"weights (policy_version {self.policy_version}) are unchanged",
+                )
+            if all(s["state"] == "done" for s in statuses):
+                logger.info(
+                    "policy_version %d staged in %.3fs (load %.3fs, process %.3fs) while %d "
+                    "tokens were generated",
+                    policy_version,
+                    max(s["seconds"] for s in statuses),
+                    max(s.get("load", 0.0) for s in statuses),
+                    max(s.get("process", 0.0) for s in statuses),
+                    generated,
+                )
+                return True, generated
+            await asyncio.sleep(poll)
+            poll = min(2 * poll, STAGE_POLL_SECONDS[1])
+
+    async def _drop_stage(self) -> None:
+        try:
+            await self._llm.collective_rpc("jaxrlhf_drop_staged")
+        except Exception:  # noqa: BLE001 - the engine's watchdog reports a dead engine
+            logger.exception("dropping a staged update failed")
+
+    async def _reload(
+        self, path: str, manifest: list, policy_version: int, allow_rollback: bool, staged: bool
+    ) -> None:
+        self._check_newer(policy_version, allow_rollback)
         await self._hold(failpoints.hit("pause_for_swap"))  # (chaos tests only)
         # "drain": the gate already drained our calls; "wait" also covers anything else in the
         # engine. "in-flight": running requests stay where they are, frozen.
@@ -573,10 +686,13 @@ class GeneratorEngine:
         )
         self.occupancy.paused(True)
         try:
-            manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
-            await self._llm.collective_rpc(
-                "jaxrlhf_reload_weights", kwargs={"path": staging_path, "tensors": manifest}
-            )
+            if staged:
+                await self._llm.collective_rpc("jaxrlhf_commit_staged")
+            else:
+                await self._llm.collective_rpc(
+                    "jaxrlhf_reload_weights",
+                    kwargs={"path": path, "tensors": manifest},
+                )
             await self._hold(failpoints.hit("reload_weights"))  # (chaos tests only)
             recompute = self.in_flight and self.config.in_flight_kv == "recompute"
             if recompute or self._llm.get_num_unfinished_requests() == 0:

@@ -10,7 +10,7 @@ package never imports the learner's `jaxrlhf`.
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -26,7 +26,8 @@ from grpc_reflection.v1alpha import reflection
 
 from generator_service import failpoints
 from generator_service.auth import TokenAuthInterceptor
-from generator_service.engine import EngineConfig, GeneratorEngine
+from generator_service.engine import EngineConfig, GeneratorEngine, SwapTimes
+from generator_service.memory import keep_freed_memory
 from generator_service.requests import GenerateError, Sampling
 from generator_service.weights import (
     StagingFile,
@@ -62,7 +63,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         # One update at a time: they share the staging file, and versions apply in order.
         self._update_lock = asyncio.Lock()
         # The last successful update's (stage, pause) seconds, for GetStatus.
-        self.last_swap: tuple[float, float] = (0.0, 0.0)
+        self.last_swap = SwapTimes()
         self._staging: StagingFile | None = None  # created by the first update
 
     async def Generate(self, request: generator_pb2.GenerateRequest, context):
@@ -141,10 +142,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 await staging.flush(assembler.staged_bytes)
                 received_seconds = time.monotonic() - started
                 failpoints.hit("update_weights")  # (chaos tests only)
-                pause_seconds = await self._engine.swap_weights(
+                swap = await self._engine.swap_weights(
                     staging.path, tensors, assembler.policy_version, assembler.allow_rollback
                 )
-                self.last_swap = (received_seconds, pause_seconds)
+                self.last_swap = swap = dataclasses.replace(
+                    swap, stage_seconds=received_seconds + swap.stage_seconds
+                )
             except WeightUpdateError as error:
                 logger.warning("weight update refused: %s", error.message)
                 await context.abort(error.code, error.message)
@@ -158,22 +161,24 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         seconds = time.monotonic() - started
         logger.info(
             "policy_version %d live: %d tensors, %d bytes in %d chunks, %.2fs (received in "
-            "%.2fs, paused %.2fs)",
+            "%.2fs, staged by %.2fs, paused %.2fs)",
             assembler.policy_version,
             len(tensors),
             assembler.num_bytes,
             assembler.num_chunks,
             seconds,
             received_seconds,
-            pause_seconds,
+            swap.stage_seconds,
+            swap.pause_seconds,
         )
         return generator_pb2.UpdateWeightsResponse(
             policy_version=assembler.policy_version,
             num_tensors=len(tensors),
             num_bytes=assembler.num_bytes,
             seconds=seconds,
-            pause_seconds=pause_seconds,
-            stage_seconds=received_seconds,
+            pause_seconds=swap.pause_seconds,
+            stage_seconds=swap.stage_seconds,
+            stage_tokens=swap.stage_tokens,
         )
 
     async def UpdateWeightsShared(
@@ -206,10 +211,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 )
                 checked_seconds = time.monotonic() - started
                 failpoints.hit("update_weights")  # (chaos tests only)
-                pause_seconds = await self._engine.swap_weights(
+                swap = await self._engine.swap_weights(
                     path, tensors, request.policy_version, request.allow_rollback
                 )
-                self.last_swap = (checked_seconds, pause_seconds)
+                self.last_swap = swap = dataclasses.replace(
+                    swap, stage_seconds=checked_seconds + swap.stage_seconds
+                )
             except WeightUpdateError as error:
                 logger.warning("shared weight update refused: %s", error.message)
                 await context.abort(error.code, error.message)
@@ -219,21 +226,23 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         num_bytes = sum(tensor.nbytes for tensor in tensors)
         logger.info(
             "policy_version %d live: %d tensors, %d bytes from shared file %s, %.2fs "
-            "(paused %.2fs)",
+            "(staged by %.2fs, paused %.2fs)",
             request.policy_version,
             len(tensors),
             num_bytes,
             path,
             seconds,
-            pause_seconds,
+            swap.stage_seconds,
+            swap.pause_seconds,
         )
         return generator_pb2.UpdateWeightsResponse(
             policy_version=request.policy_version,
             num_tensors=len(tensors),
             num_bytes=num_bytes,
             seconds=seconds,
-            pause_seconds=pause_seconds,
-            stage_seconds=checked_seconds,
+            pause_seconds=swap.pause_seconds,
+            stage_seconds=swap.stage_seconds,
+            stage_tokens=swap.stage_tokens,
         )
 
     def close(self) -> None:
@@ -266,8 +275,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             request_seconds=request_seconds,
             max_num_seqs=engine.max_num_seqs,
             occupancy=engine.occupancy.fraction(),
-            stage_seconds=self.last_swap[0],
-            pause_seconds=self.last_swap[1],
+            stage_seconds=self.last_swap.stage_seconds,
+            pause_seconds=self.last_swap.pause_seconds,
+            stage_tokens=self.last_swap.stage_tokens,
+            staged_swaps=engine.config.stage and not engine.stage_unsupported,
+            staged_swaps_off=engine.stage_unsupported
+            or ("" if engine.config.stage else "started with --no-stage"),
         )
 
     async def _publish_health(self) -> None:
@@ -364,25 +377,6 @@ def add_generator_service(servicer: GeneratorServicer, server: grpc.aio.Server) 
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def _keep_freed_memory() -> None:
-    """Makes glibc keep freed heap memory for reuse instead of returning it to the system.
-
-    gRPC reads every weight chunk (a few MiB) into freshly allocated buffers. With glibc's
-    defaults, the freed ones are handed back to the kernel, and each message faults in and
-    zeroes new pages: about a third of the server's CPU time while receiving an update. Kept,
-    they are reused. The heap then stays at its peak, which is a few chunks.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return  # not glibc
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest: chunk buffers come from the heap
-    mallopt(m_trim_threshold, 256 << 20)
-    mallopt(m_top_pad, 64 << 20)
-
-
 def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -404,7 +398,7 @@ async def _watch_engine(engine: GeneratorEngine, stop: asyncio.Event, every: flo
 async def serve(engine_config: EngineConfig, options: ServerOptions) -> None:
     """Runs until SIGTERM/SIGINT, then drains calls for `shutdown_grace` seconds and exits; raises
     `EngineDiedError` at once if vLLM's engine dies under it."""
-    _keep_freed_memory()
+    keep_freed_memory(trim_bytes=256 << 20)
     interceptors = [TokenAuthInterceptor(options.auth_token)] if options.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=list(CHANNEL_OPTIONS))
     address = _bind_address(options.host, options.port)

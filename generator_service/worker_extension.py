@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from generator_service.memory import keep_freed_memory
 from jaxrlhf_wire.dtypes import WIRE_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,21 @@ def map_staged_tensors(
     return mapped, views
 
 
+GIB = 1 << 30
+
+
+def _model_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the model's parameters as loaded (before CPU packing dropped some)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    total = 0
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is not None:
+            total += sum(t.numel() * t.element_size() for t in info.restore_metadata[0].values())
+    return total
+
+
 def refresh_tied_heads(model: torch.nn.Module) -> int:
     """Re-runs the post-load processing of each lm_head tied to another module; returns how many."""
     from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -95,6 +111,8 @@ def refresh_tied_heads(model: torch.nn.Module) -> int:
 class WeightReloadExtension:
     """Mixed into the vLLM worker class; `self` is the worker."""
 
+    _jaxrlhf_stage = None  # the staged update (staging.Stage), if any
+
     def jaxrlhf_reseed(self, seed: int) -> None:
         """Re-seeds the RNG the sampler draws from (requests carry no generator of their own)."""
         torch.manual_seed(seed)
@@ -113,3 +131,47 @@ class WeightReloadExtension:
                 # Something still holds a view; the map goes when the last one is freed.
                 logger.warning("a view of the weight staging file outlived the reload")
         return refresh_tied_heads(self.model_runner.get_model())
+
+    def jaxrlhf_stage_weights(self, path: str, tensors: list, threads: int = 1) -> str:
+        """Starts staging the update in `path` (see staging.py) in a thread and returns "";
+        or returns why this model cannot be staged (it is then reloaded in the pause)."""
+        from generator_service.staging import Stage
+
+        if self._jaxrlhf_stage is not None:
+            self.jaxrlhf_drop_staged()  # left by a swap that failed before dropping it
+        config = self.vllm_config
+        if config.model_config.quantization is not None or config.lora_config is not None:
+            return "quantized and LoRA models are reloaded in the pause"
+        if not torch.cuda.is_available() and not config.model_config.enforce_eager:
+            return "compiled CPU models are reloaded in the pause"
+        if not torch.cuda.is_available():
+            keep_freed_memory(trim_bytes=2 * _model_bytes(self.model_runner.get_model()) + GIB)
+        mapped, views = map_staged_tensors(path, tensors)
+
+        def release() -> None:
+            views.clear()
+            try:
+                mapped.close()
+            except BufferError:
+                logger.warning("a view of the weight staging file outlived the stage")
+
+        self._jaxrlhf_stage = Stage(self.model_runner.get_model(), views, release, threads)
+        return ""
+
+    def jaxrlhf_stage_status(self) -> dict:
+        """{"state": "running" | "done" | "failed" | "unsupported" | "none", "error", "seconds",
+        and the seconds of its phases}."""
+        stage = self._jaxrlhf_stage
+        return {"state": "none", "error": "", "seconds": 0.0} if stage is None else stage.status()
+
+    def jaxrlhf_commit_staged(self) -> float:
+        """Puts the staged update live (the engine is paused); returns its seconds."""
+        if self._jaxrlhf_stage is None:
+            raise RuntimeError("no staged update to commit")
+        return self._jaxrlhf_stage.commit()
+
+    def jaxrlhf_drop_staged(self) -> None:
+        """Stops and frees the staged update, if any (idempotent)."""
+        stage, self._jaxrlhf_stage = self._jaxrlhf_stage, None
+        if stage is not None:
+            stage.drop()

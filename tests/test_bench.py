@@ -96,11 +96,13 @@ def test_weight_sync(tiny_llama, generator_address):
     (row,) = run_bench(
         [
             sys.executable, "bench/weight_sync.py", "--model", str(tiny_llama),
-            "--dtypes", "float32", "--repeats", "1", "--address", generator_address,
+            "--dtypes", "float32", "--repeats", "1", "--warmup", "1",
+            "--address", generator_address,
         ],
         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
     )  # fmt: skip
     assert (row["dtype"], row["tensors"]) == ("float32", 20)  # 2 layers x 9 + embedding + norm
+    assert row["stage"] is True  # the suite's service stages its updates
     assert row["bytes"] > 0
     assert_positive_finite(row, "in_process_reload_s", "stream_s", "shared_s")
     for transport in ("stream", "shared"):

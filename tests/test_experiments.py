@@ -430,7 +430,8 @@ def test_swap_modes_figures_by_hand():
     def record(step, wait, sync, staleness):
         return {"step": step, "step_s": 1.0 + step, "wait_for_generation_s": wait,
                 "weight_sync_s": sync, "publish_blocked_s": sync / 2,
-                "generator_idle_s": 0.1, "generator_requests_mean": 8.0,
+                "generator_idle_s": 0.1, "generator_pause_s": 0.05 * step,
+                "generator_requests_mean": 8.0,
                 "generator_occupancy": 0.5, "generate_s": 0.9, "train_s": 0.2,
                 "token_staleness_mean": staleness,
                 "mixed_version_fraction": 1.0 - staleness}  # fmt: skip
@@ -442,6 +443,7 @@ def test_swap_modes_figures_by_hand():
     assert figures["learner_idle_s"] == pytest.approx((0.25 + 0.25) / 2)  # wait + blocked
     assert figures["publish_blocked_s"] == pytest.approx(0.2)
     assert figures["weight_sync_s"] == pytest.approx(0.4)  # beside the step, in part
+    assert figures["generator_pause_s"] == pytest.approx(0.125)
     with pytest.raises(ValueError, match="at least warmup"):
         swap_modes.run_figures(drain, warmup=3)
     in_flight = [{**figures, "step_s": 3.0, "token_staleness_mean": 0.25},

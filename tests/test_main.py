@@ -180,6 +180,17 @@ def test_a_started_generator_computes_on_every_core_unless_told():
     assert "--cpu-reserved-cores" not in engine_args(gen)
 
 
+def test_a_started_generator_stages_its_swaps_unless_told():
+    from jaxrlhf.config import base_config
+    from jaxrlhf.experiments.services import swap_setting
+    from jaxrlhf.rl.service import engine_args
+
+    gen = base_config().generator
+    assert "--stage" in engine_args(gen) and swap_setting(gen) == "drain"
+    gen.stage = False
+    assert "--no-stage" in engine_args(gen) and swap_setting(gen) == "drain-no-stage"
+
+
 PIN_CHECK = """
 import json, os, threading, jax, jax.numpy as jnp
 from jaxrlhf.main import pin_process

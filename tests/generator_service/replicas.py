@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from generator_service.engine import Occupancy
+from generator_service.engine import Occupancy, SwapTimes
 from generator_service.weights import WeightUpdateError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,10 @@ class RecordingEngine:
         self.staging_dir = tempfile.gettempdir()
         self.swaps: list[tuple[int, dict[str, tuple[str, bytes]]]] = []
         # GetStatus's fields (a drain-mode replica that generates nothing):
-        self.config = types.SimpleNamespace(model="recording", swap_mode="drain", in_flight_kv="")
+        self.config = types.SimpleNamespace(
+            model="recording", swap_mode="drain", in_flight_kv="", stage=False
+        )
+        self.stage_unsupported = ""
         self.in_flight = self.swap_pending = False
         self.max_model_len, self.vocab_size, self.dtype, self.vllm_version = 0, 0, "", ""
         self.num_requests_running = self.num_calls_waiting = self.num_updates = 0
@@ -68,7 +71,7 @@ class RecordingEngine:
         }
         self.swaps.append((policy_version, received))
         self.policy_version = policy_version
-        return 0.0
+        return SwapTimes()
 
 
 class RecordingReplica:

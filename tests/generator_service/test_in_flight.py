@@ -44,6 +44,8 @@ HOLD_TOKENS = 60
 # wrong weights moves them by more than 5x this (the swap test asserts it for its tokens), so
 # the check tells the two KV policies apart.
 LOGPROB_ATOL = 2e-3
+# How long the staging failpoint holds a stage (the engine generating meanwhile).
+STAGE_HOLD_S = 1.5
 # Requests the engine runs at once: LONG_PROMPT and FILLERS run together, more queue.
 MAX_NUM_SEQS = 8
 
@@ -61,24 +63,27 @@ class Server:
         return response
 
 
-@pytest.fixture(scope="module", params=["recompute", "keep"])
+# (KV policy, staged swaps): each test runs once with swaps reloading in the pause and once
+# with staged swaps (the drain-mode server of the suite stages too).
+@pytest.fixture(scope="module", params=[("recompute", False), ("keep", True)],
+                ids=["recompute-no-stage", "keep-stage"])  # fmt: skip
 def in_flight(request, tiny_llama, tmp_path_factory, start_generator_server):
     from safetensors.numpy import load_file
 
     from jaxrlhf.rpc import GeneratorClient
 
-    kv = request.param
+    kv, stage = request.param
     folder = tmp_path_factory.mktemp(f"in-flight-{kv}")
     failpoints = folder / "failpoints"
     process = start_generator_server(
         tiny_llama, folder / "server.log",
         ["--swap-mode", "in-flight", "--in-flight-kv", kv, "--max-num-seqs", str(MAX_NUM_SEQS),
-         "--block-size", str(BLOCK_SIZE)],
+         "--block-size", str(BLOCK_SIZE), "--stage" if stage else "--no-stage"],
         env={"JAXRLHF_FAILPOINTS": str(failpoints)},
     )  # fmt: skip
     client = GeneratorClient(process.address)
     server = Server(process, client, load_file(tiny_llama / "model.safetensors"), failpoints)
-    server.kv = kv
+    server.kv, server.stage = kv, stage
     # The engine's first reload is slow (~2 s, set-up); later ones take milliseconds.
     server.push(perturbed(server.tensors, seed=10))
     yield server
@@ -129,6 +134,8 @@ def test_status_reports_the_mode(in_flight):
     assert (status.swap_mode, status.in_flight_kv) == ("in-flight", in_flight.kv)
     assert status.idle_seconds > 0 and status.request_seconds >= 0
     assert status.max_num_seqs == MAX_NUM_SEQS and 0 <= status.occupancy <= 1
+    assert status.staged_swaps == in_flight.stage
+    assert status.staged_swaps_off == ("" if in_flight.stage else "started with --no-stage")
 
 
 def test_a_swap_lands_in_a_running_generation(in_flight, reference):
@@ -275,6 +282,86 @@ def test_an_update_cancelled_mid_swap_completes(in_flight, reference):
     assert (status.serving, status.policy_version) == (True, old_version + 1)
     (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
     assert list(completion.token_policy_versions) == [old_version + 1] * 12
+    assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
+
+
+def _staged_only(server) -> None:
+    if not server.stage:
+        pytest.skip("a test of staged swaps (this server reloads in the pause)")
+
+
+def test_generation_goes_on_while_an_update_is_staged(in_flight, reference):
+    """The worker's staging thread is held for STAGE_HOLD_S (a slow stage): the engine keeps
+    generating meanwhile, and pauses only for the commit."""
+    _staged_only(in_flight)
+    old, old_version = in_flight.tensors, in_flight.version
+    new = perturbed(old, seed=17)
+    with open(in_flight.failpoints, "a") as armed:
+        armed.write(f"stage_weights 1 sleep={STAGE_HOLD_S}\n")
+    completions, response, _ = _during_long_generation(in_flight, lambda: in_flight.push(new))
+    assert not in_flight.failpoints.exists(), "the failpoint never fired"
+    assert response.stage_seconds >= STAGE_HOLD_S
+    # A stage that blocked the engine would let no token through while it ran.
+    assert response.stage_tokens >= 10, response
+    assert response.pause_seconds < 0.25 * response.stage_seconds, response
+    assert in_flight.client.status().stage_tokens == response.stage_tokens
+    for completion, prompt in zip(completions, [LONG_PROMPT, *FILLERS], strict=True):
+        versions, tokens = list(completion.token_policy_versions), list(completion.token_ids)
+        switch = versions.index(old_version + 1) if old_version + 1 in versions else len(tokens)
+        assert versions == [old_version] * switch + [old_version + 1] * (len(tokens) - switch)
+        assert tokens[:switch] == reference.greedy(old, prompt, switch)
+    assert any(old_version in c.token_policy_versions for c in completions)
+    (late,) = _greedy(in_flight.client, [FILLERS[1]], max_tokens=12)
+    assert list(late.token_ids) == reference.greedy(new, FILLERS[1], 12)
+
+
+def test_a_stage_that_fails_leaves_the_old_weights_serving(in_flight, reference):
+    """Staging fails in the worker (after loading part of the update into its shadow): the
+    update is refused, running requests go on untouched on the old weights, and the service
+    stays SERVING; the next update works."""
+    _staged_only(in_flight)
+    old, version = in_flight.tensors, in_flight.version
+    with open(in_flight.failpoints, "a") as armed:
+        armed.write("stage_weights 1 fail\n")
+
+    def refused():
+        with pytest.raises(grpc.RpcError) as error:
+            in_flight.push(perturbed(old, seed=18))
+        return error.value
+
+    completions, error, _ = _during_long_generation(in_flight, refused)
+    assert error.code() == grpc.StatusCode.INTERNAL, error
+    assert "staging" in error.details() and "unchanged" in error.details()
+    for completion, prompt in zip(completions, [LONG_PROMPT, *FILLERS], strict=True):
+        assert list(completion.token_policy_versions) == [version] * MAX_TOKENS
+        assert list(completion.token_ids) == reference.greedy(old, prompt, MAX_TOKENS)
+    status = in_flight.client.status()
+    assert (status.serving, status.policy_version) == (True, version)
+    new = perturbed(old, seed=19)
+    assert in_flight.push(new).policy_version == version + 1
+    (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
+    assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
+
+
+def test_an_update_cancelled_while_staged_changes_nothing(in_flight, reference):
+    """A client's deadline expiring while the update is being staged: the stage is dropped,
+    nothing was paused or swapped, and the next update works."""
+    _staged_only(in_flight)
+    old, version = in_flight.tensors, in_flight.version
+    with open(in_flight.failpoints, "a") as armed:
+        armed.write("stage_weights 1 sleep=4\n")
+    with pytest.raises(grpc.RpcError) as error:
+        in_flight.client.update_weights(perturbed(old, seed=20), version + 1,
+                                        chunk_bytes=1 << 16, timeout=2.0)  # fmt: skip
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(4)  # the held stage ends (and is dropped)
+    status = in_flight.client.status()
+    assert (status.serving, status.policy_version, status.swap_pending) == (True, version, False)
+    (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
+    assert list(completion.token_ids) == reference.greedy(old, FILLERS[0], 12)
+    new = perturbed(old, seed=21)
+    assert in_flight.push(new).policy_version == version + 1
+    (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
     assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
 
 

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
+from generator_service.engine import SwapTimes
 from generator_service.server import GeneratorServicer, add_generator_service
 from generator_service.weights import TensorSpec
 from jaxrlhf.rl.transport import SharedFileTransport
@@ -62,7 +63,7 @@ class StubEngine:
         self.serving = True
         self.swapped: list[tuple[int, dict[str, np.ndarray]]] = []
 
-    async def swap_weights(self, path, staged, policy_version, allow_rollback=False) -> float:
+    async def swap_weights(self, path, staged, policy_version, allow_rollback=False) -> SwapTimes:
         read = {
             t.name: np.fromfile(path, np.float32, int(np.prod(t.shape)), offset=t.position)
             .reshape(t.shape)
@@ -70,7 +71,7 @@ class StubEngine:
         }  # fmt: skip
         self.swapped.append((policy_version, read))
         self.policy_version = policy_version
-        return 0.0
+        return SwapTimes()
 
 
 class ServiceOnAllInterfaces:

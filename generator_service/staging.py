@@ -1,0 +1,353 @@
+"""Staged swaps, inside vLLM's worker: an update converted into the engine's own layout while
+generation goes on, then committed in a short pause.
+
+vLLM's in-place `reload_weights` cannot overlap generation: while it loads, the live modules'
+parameters are replaced by meta tensors. Staging instead loads into a *shadow* of the model:
+
+- `build_shadow`: a clone of every module whose subtree holds parameters (shallow: the same
+  class, configuration and `quant_method` objects), with fresh tensors allocated from the
+  checkpoint-layout metadata vLLM recorded at the first load (`LAYERWISE_INFO`). The tensors
+  keep their class and attributes (the weight loaders, rebound to the shadow module), and a
+  tensor shared by two live modules (the tied `lm_head` and the embedding) is one shadow tensor.
+  Modules without parameters (attention, rotary embedding, logits processor) are not cloned.
+- `Stage`: in a thread of the worker, the model's own `load_weights` runs on the shadow (the
+  names, the fusion into qkv_proj / gate_up_proj, the tie, the dtype cast: exactly the code of a
+  first load), then each loaded module's `quant_method.process_weights_after_loading` (on the
+  CPU backend this packs every linear weight into a oneDNN handler held by `cpu_linear`, and
+  the tied head is packed from the *new* embedding). The thread then compiles the commit: a
+  `copy_` into each live tensor with data (same shape, dtype and device, or staging fails), and
+  the attributes processing replaced (only those in `SWAPPED_ATTRIBUTES`; any other makes
+  staging fail rather than commit something it does not understand).
+- `Stage.commit`, with the engine paused: the copies in place (captured graphs keep pointing at
+  the same storage) and the attribute swaps. The replaced attributes are kept until `drop`, so
+  their memory is freed after the engine resumes, not during the pause.
+
+Nothing of the live model is written before the commit, so a stage that fails (a bad tensor,
+a layout that does not match, an unsupported model) leaves the serving weights untouched.
+
+Memory: one more copy of the weights while a stage is held (on CPU, about twice the linear
+weights at the peak: the checkpoint-layout tensors and their packed copies, before the
+checkpoint-layout ones are freed). `--no-stage` (generator_service) keeps the one-copy reload.
+
+Unsupported (staging refuses; the engine then reloads in the pause as before): quantized
+models, LoRA, a model not loaded by vLLM's recorded metadata, and torch.compile on CPU (the
+swapped `cpu_linear` closures would be baked into compiled code).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+import types
+from collections.abc import Callable, Sequence
+
+import torch
+
+from generator_service import failpoints
+
+logger = logging.getLogger(__name__)
+
+# Module attributes that post-load processing may replace and the commit swaps in: the CPU
+# backend's packed GEMM closure, and its unpacked conv weight.
+SWAPPED_ATTRIBUTES = frozenset({"cpu_linear", "_cpu_unpacked_conv_weight"})
+# Attributes of the shadow modules that staging itself sets or that processing uses as a flag.
+_OWN_ATTRIBUTES = frozenset(
+    {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+     "_already_called_process_weights_after_loading"}
+)  # fmt: skip
+
+
+class StagingUnsupported(RuntimeError):
+    """This engine's model cannot be staged (the reason says why); reload it in the pause."""
+
+
+class StagingError(RuntimeError):
+    """A stage failed; the live weights were not touched."""
+
+
+def _subtree_has_parameters(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _unwrapped_loader(loader):
+    """A weight loader without vLLM's layerwise-reload wrappers (left on the recorded metadata
+    by an earlier in-place reload)."""
+    while getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
+    return loader
+
+
+def _shadow_tensor(template: torch.Tensor, shape, stride, device, owners, shadow) -> torch.Tensor:
+    """A fresh tensor of `template`'s class and attributes with the given layout; methods bound
+    to one of `owners` (the live module, vLLM's sanitising sentinel) are rebound to `shadow`."""
+    tensor = torch.empty_strided(tuple(shape), tuple(stride), dtype=template.dtype, device=device)
+    tensor.__class__ = template.__class__
+    attributes = dict(template.__dict__)
+    for key, value in attributes.items():
+        if key in ("weight_loader", "_weight_loader"):
+            value = _unwrapped_loader(value)
+        if isinstance(value, types.MethodType) and any(value.__self__ is o for o in owners):
+            value = value.__func__.__get__(shadow)
+        attributes[key] = value
+    tensor.__dict__ = attributes
+    return tensor
+
+
+def build_shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list]:
+    """The shadow of `model` (see the module docstring) and its (live, shadow) module pairs."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+    shadows: dict[int, torch.nn.Module] = {}
+    tensors: dict[int, torch.Tensor] = {}  # id(live tensor) -> its shadow (ties stay ties)
+    pairs = []
+
+    def tensor_for(live_module, shadow, name, live, recorded):
+        key = id(live) if live is not None else None
+        if key is not None and key in tensors:
+            return tensors[key]
+        if recorded is not None:
+            new = _shadow_tensor(
+                recorded, recorded.size(), recorded.stride(), device,
+                (live_module, layer_ref_sentinel), shadow,
+            )  # fmt: skip
+        elif name in SKIP_TENSORS and live is not None:
+            # Not recorded (vLLM builds `bias` after the metadata): the live layout is the
+            # checkpoint's, as processing leaves an unquantized bias alone.
+            new = _shadow_tensor(live, live.size(), live.stride(), live.device,
+                                 (live_module, layer_ref_sentinel), shadow)  # fmt: skip
+        else:
+            raise StagingUnsupported(
+                f"{type(live_module).__name__}.{name} has no recorded checkpoint layout"
+            )
+        if key is not None:
+            tensors[key] = new
+        return new
+
+    def clone(live_module: torch.nn.Module) -> torch.nn.Module:
+        nonlocal device
+        if id(live_module) in shadows:
+            return shadows[id(live_module)]
+        if not _subtree_has_parameters(live_module):
+            return live_module  # read only (configuration), never written
+        info = LAYERWISE_INFO.get(live_module)
+        if info is None:
+            raise StagingUnsupported(
+                f"vLLM recorded no reload metadata for {type(live_module).__name__}"
+            )
+        device = info.restore_device
+        recorded_params, recorded_buffers = info.restore_metadata
+        shadow = live_module.__class__.__new__(live_module.__class__)
+        shadow.__dict__.update(live_module.__dict__)
+        shadow.__dict__["_parameters"] = {}
+        shadow.__dict__["_buffers"] = {}
+        shadow.__dict__["_modules"] = {}
+        shadow.__dict__["_non_persistent_buffers_set"] = set(
+            live_module._non_persistent_buffers_set
+        )
+        shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
+        shadows[id(live_module)] = shadow
+        names = [n for n, p in live_module._parameters.items() if p is not None]
+        for name in dict.fromkeys([*recorded_params, *names]):
+            live = live_module._parameters.get(name)
+            shadow._parameters[name] = tensor_for(
+                live_module, shadow, name, live, recorded_params.get(name)
+            )
+        for name, recorded in recorded_buffers.items():
+            live = live_module._buffers.get(name)
+            shadow._buffers[name] = tensor_for(live_module, shadow, name, live, recorded)
+        for name, buffer in live_module._buffers.items():
+            if buffer is not None and name not in shadow._buffers:
+                shadow._buffers[name] = buffer  # not loaded (not in the checkpoint)
+        for name, child in live_module._modules.items():
+            shadow._modules[name] = None if child is None else clone(child)
+        pairs.append((live_module, shadow))
+        return shadow
+
+    device = None
+    root = clone(model)
+    return root, pairs
+
+
+def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: tensor
+        for name, tensor in [*module._parameters.items(), *module._buffers.items()]
+        if tensor is not None
+    }
+
+
+class Stage:
+    """One update being staged in a thread of the worker (see the module docstring).
+
+    `views` are (checkpoint name, tensor) pairs; `release` is called once they are no longer
+    read (the staging file's map can then be closed). `state` is "running", "done", "failed"
+    (with `error`), "unsupported" (the model cannot be staged: reload it in the pause) or,
+    after `commit`, "committed"; `seconds` the thread's time; `threads` the CPU threads of
+    its torch ops (0: torch's default)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        views: Sequence[tuple[str, torch.Tensor]],
+        release: Callable[[], None],
+        threads: int = 0,
+    ):
+        self.model = model
+        self.state = "running"
+        self.error = ""
+        self.seconds = 0.0
+        self.phases: dict[str, float] = {}  # seconds of loading and of processing
+        self._views = list(views)
+        self._release = release
+        self._threads = threads
+        self._cancelled = False
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._swaps: list[tuple[torch.nn.Module, str, object]] = []
+        self._retired: list[object] = []
+        self._stream = None
+        self._done = _stage_thread().submit(self._run)
+
+    def status(self) -> dict:
+        return {"state": self.state, "error": self.error, "seconds": self.seconds, **self.phases}
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            if self._threads > 0:
+                # This thread's OpenMP team only (the ICV is per thread). vLLM's CPU worker
+                # replaces torch.set_num_threads by a no-op to keep its own threads' binding.
+                torch._C.set_num_threads(self._threads)
+            if torch.cuda.is_available():
+                self._stream = torch.cuda.Stream()
+                with torch.no_grad(), torch.cuda.stream(self._stream):
+                    self._stage()
+                self._stream.synchronize()
+            else:
+                with torch.no_grad():
+                    self._stage()
+            state = "done"
+        except StagingUnsupported as error:
+            self.error, state = str(error), "unsupported"
+        except Exception as error:  # noqa: BLE001 - reported through status()
+            logger.exception("staging failed")
+            self.error, state = f"{type(error).__name__}: {error}", "failed"
+            self._copies, self._swaps = [], []
+        self._views = []
+        self._release()
+        self.seconds = time.monotonic() - started
+        self.state = state  # last: a reader seeing "done" sees everything else
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled:
+            raise StagingError("cancelled")
+
+    def _stage(self) -> None:
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        started = time.monotonic()
+        shadow, pairs = build_shadow(self.model)
+        self._check_cancelled()
+        loaded_names = shadow.load_weights(iter(self._views))
+        self.phases["load"] = time.monotonic() - started
+        self._views = []
+        self._release()
+        hold = failpoints.hit("stage_weights")  # (chaos tests only)
+        if hold is not None:
+            kind, _, value = hold.partition("=")
+            if kind != "sleep":
+                raise StagingError(f"the stage_weights failpoint cannot hold {hold!r}")
+            time.sleep(float(value))
+        self._check_cancelled()
+        loaded = {id(shadow.get_parameter(name)) for name in loaded_names}
+        staged = []
+        for live, module in pairs:
+            own = [t for t in module._parameters.values() if t is not None]
+            done = [t for t in own if id(t) in loaded]
+            if not done:
+                continue  # nothing of it in the update (attention scales): left as it is
+            if len(done) != len(own):
+                missing = [n for n, t in module._parameters.items() if id(t) not in loaded]
+                raise StagingError(
+                    f"the update loads only part of {type(live).__name__} (not {missing})"
+                )
+            quant_method = getattr(module, "quant_method", None)
+            if isinstance(quant_method, QuantizeMethodBase):
+                quant_method.process_weights_after_loading(module)
+            staged.append((live, module))
+            self._check_cancelled()
+        if not staged:
+            raise StagingError("the update loaded no module")
+        self._check_cancelled()
+        self.phases["process"] = time.monotonic() - started - self.phases["load"]
+        self._plan(staged)
+
+    def _plan(self, staged) -> None:
+        copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for live, module in staged:
+            new_tensors = _own_tensors(module)
+            for name, tensor in _own_tensors(live).items():
+                new = new_tensors.get(name)
+                if new is None:
+                    raise StagingError(f"processing dropped {type(live).__name__}.{name}")
+                if tensor.numel() == 0 and new.numel() == 0:
+                    continue  # packed elsewhere (cpu_linear)
+                staged_as = (tuple(new.shape), new.dtype, new.device)
+                served_as = (tuple(tensor.shape), tensor.dtype, tensor.device)
+                if staged_as != served_as:
+                    raise StagingError(
+                        f"{type(live).__name__}.{name}: staged as {staged_as}, served as "
+                        f"{served_as}"
+                    )
+                if new is not tensor:
+                    copies.setdefault(id(tensor), (tensor, new))
+            for key, value in module.__dict__.items():
+                if key in _OWN_ATTRIBUTES or live.__dict__.get(key, _MISSING) is value:
+                    continue
+                if key not in SWAPPED_ATTRIBUTES:
+                    raise StagingError(
+                        f"processing changed {type(live).__name__}.{key}, which a commit does "
+                        "not know how to swap"
+                    )
+                self._swaps.append((live, key, value))
+        self._copies = list(copies.values())
+
+    def commit(self) -> float:
+        """Puts the staged weights live (the engine must be paused); returns its seconds."""
+        if self.state != "done":
+            raise StagingError(f"nothing to commit: the stage is {self.state} {self.error}")
+        started = time.monotonic()
+        with torch.no_grad():
+            for tensor, new in self._copies:
+                tensor.data.copy_(new)
+            for live, key, value in self._swaps:
+                self._retired.append(live.__dict__.get(key))
+                live.__dict__[key] = value
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        self.state = "committed"
+        self._copies, self._swaps = [], []
+        return time.monotonic() - started
+
+    def drop(self) -> None:
+        """Frees the staged update and the retired attributes; a stage still running stops at
+        its next module and frees itself (without waiting for it: this runs in an RPC that
+        holds the engine's loop). A later stage queues behind it on the one staging thread."""
+        self._cancelled = True
+        self._copies, self._swaps, self._retired = [], [], []
+
+
+_MISSING = object()
+_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _stage_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The worker's one staging thread, kept for its lifetime: each stage allocates from the same
+    glibc arena the last one freed (a new thread each time could take another arena, and fault
+    in fresh pages again)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxrlhf-stage")
+    return _EXECUTOR
