@@ -10,14 +10,17 @@ parameters are replaced by meta tensors. Staging instead loads into a *shadow* o
   keep their class and attributes (the weight loaders, rebound to the shadow module), and a
   tensor shared by two live modules (the tied `lm_head` and the embedding) is one shadow tensor.
   Modules without parameters (attention, rotary embedding, logits processor) are not cloned.
-- `Stage`: in a thread of the worker, the model's own `load_weights` runs on the shadow (the
-  names, the fusion into qkv_proj / gate_up_proj, the tie, the dtype cast: exactly the code of a
-  first load), then each loaded module's `quant_method.process_weights_after_loading` (on the
-  CPU backend this packs every linear weight into a oneDNN handler held by `cpu_linear`, and
-  the tied head is packed from the *new* embedding). The thread then compiles the commit: a
-  `copy_` into each live tensor with data (same shape, dtype and device, or staging fails), and
-  the attributes processing replaced (only those in `SWAPPED_ATTRIBUTES`; any other makes
-  staging fail rather than commit something it does not understand).
+- `Stage`: in a thread of the worker, layer by layer: the layer's shadow modules get storage,
+  the model's own `load_weights` loads the layer's tensors into them (the names, the fusion into
+  qkv_proj / gate_up_proj, the tie, the dtype cast: exactly the code of a first load), and each
+  module whose tensors are all loaded goes through its `quant_method.
+  process_weights_after_loading` at once (on the CPU backend this packs every linear weight
+  into a oneDNN handler held by `cpu_linear` and frees the checkpoint-layout copy, whose memory
+  the next layer then reuses; the tied head is packed from the *new* embedding). The thread
+  then compiles the commit: a `copy_` into each live tensor with data (same shape, dtype and
+  device, or staging fails), and the attributes processing replaced (only those in
+  `SWAPPED_ATTRIBUTES`; any other makes staging fail rather than commit something it does not
+  understand).
 - `Stage.commit`, with the engine paused: the copies in place (captured graphs keep pointing at
   the same storage) and the attribute swaps. The replaced attributes are kept until `drop`, so
   their memory is freed after the engine resumes, not during the pause.
@@ -25,9 +28,10 @@ parameters are replaced by meta tensors. Staging instead loads into a *shadow* o
 Nothing of the live model is written before the commit, so a stage that fails (a bad tensor,
 a layout that does not match, an unsupported model) leaves the serving weights untouched.
 
-Memory: one more copy of the weights while a stage is held (on CPU, about twice the linear
-weights at the peak: the checkpoint-layout tensors and their packed copies, before the
-checkpoint-layout ones are freed). `--no-stage` (generator_service) keeps the one-copy reload.
+Memory: one more copy of the weights while a stage is held (on CPU: the packed form of every
+linear weight, the embedding, and one layer at a time in the checkpoint layout), from the
+worker's allocator, which keeps what the previous stage freed for the next one
+(`memory.keep_freed_memory`). `--no-stage` (generator_service) keeps the one-copy reload.
 
 Unsupported (staging refuses; the engine then reloads in the pause as before): quantized
 models, LoRA, a model not loaded by vLLM's recorded metadata, and torch.compile on CPU (the
@@ -38,8 +42,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 import time
 import types
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -56,6 +62,17 @@ _OWN_ATTRIBUTES = frozenset(
     {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
      "_already_called_process_weights_after_loading"}
 )  # fmt: skip
+
+
+# A checkpoint tensor's layer: "model.layers.3" of "model.layers.3.mlp.up_proj.weight" (the
+# shadow modules under that name are staged together); other tensors form one more group.
+LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def _in_group(module_name: str, prefix: str) -> bool:
+    if prefix:
+        return module_name == prefix or module_name.startswith(prefix + ".")
+    return LAYER.match(module_name + ".") is None
 
 
 class StagingUnsupported(RuntimeError):
@@ -94,14 +111,17 @@ def _shadow_tensor(template: torch.Tensor, shape, stride, device, owners, shadow
     return tensor
 
 
-def build_shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list]:
-    """The shadow of `model` (see the module docstring) and its (live, shadow) module pairs."""
+def build_shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list, dict]:
+    """The shadow of `model` (see the module docstring), its (live, shadow) module pairs, and
+    the device of each of its tensors (by id). The tensors are on the meta device until
+    `materialize` gives them storage."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
     from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
     shadows: dict[int, torch.nn.Module] = {}
     tensors: dict[int, torch.Tensor] = {}  # id(live tensor) -> its shadow (ties stay ties)
+    devices: dict[int, torch.device] = {}
     pairs = []
 
     def tensor_for(live_module, shadow, name, live, recorded):
@@ -110,14 +130,16 @@ def build_shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list]:
             return tensors[key]
         if recorded is not None:
             new = _shadow_tensor(
-                recorded, recorded.size(), recorded.stride(), device,
+                recorded, recorded.size(), recorded.stride(), "meta",
                 (live_module, layer_ref_sentinel), shadow,
             )  # fmt: skip
+            devices[id(new)] = device
         elif name in SKIP_TENSORS and live is not None:
             # Not recorded (vLLM builds `bias` after the metadata): the live layout is the
             # checkpoint's, as processing leaves an unquantized bias alone.
-            new = _shadow_tensor(live, live.size(), live.stride(), live.device,
+            new = _shadow_tensor(live, live.size(), live.stride(), "meta",
                                  (live_module, layer_ref_sentinel), shadow)  # fmt: skip
+            devices[id(new)] = live.device
         else:
             raise StagingUnsupported(
                 f"{type(live_module).__name__}.{name} has no recorded checkpoint layout"
@@ -168,7 +190,27 @@ def build_shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list]:
 
     device = None
     root = clone(model)
-    return root, pairs
+    return root, pairs, devices
+
+
+def materialize(modules, devices: dict, made: weakref.WeakValueDictionary) -> None:
+    """Gives storage to the meta tensors of `modules` (on their device in `devices`); a tensor
+    two modules share gets one (`made`: meta id -> its tensor, while it lives)."""
+    for module in modules:
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_meta:
+                    continue
+                real = made.get(id(tensor))
+                if real is None:
+                    real = torch.empty_strided(
+                        tuple(tensor.size()), tuple(tensor.stride()), dtype=tensor.dtype,
+                        device=devices[id(tensor)],
+                    )  # fmt: skip
+                    real.__class__ = tensor.__class__
+                    real.__dict__ = dict(tensor.__dict__)
+                    made[id(tensor)] = real
+                table[name] = real
 
 
 def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -245,44 +287,70 @@ class Stage:
             raise StagingError("cancelled")
 
     def _stage(self) -> None:
+        """Layer by layer (`LAYER`): give the layer's shadow modules storage, load its tensors
+        with the model's own `load_weights`, and process each module once all of its tensors
+        are loaded, which frees its checkpoint-layout copy before the next layer is loaded (so
+        the next reuses that memory instead of faulting in fresh pages)."""
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
         started = time.monotonic()
-        shadow, pairs = build_shadow(self.model)
-        self._check_cancelled()
-        loaded_names = shadow.load_weights(iter(self._views))
-        self.phases["load"] = time.monotonic() - started
+        shadow, pairs, devices = build_shadow(self.model)
+        names = {id(module): name for name, module in shadow.named_modules()}
+        groups: dict[str, list] = {}
+        for name, view in self._views:
+            match = LAYER.match(name)
+            groups.setdefault(match.group(1) if match else "", []).append((name, view))
+        made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        loaded: set[int] = set()
+        staged, pending = [], list(pairs)
+        load_seconds = 0.0
+        for index, (prefix, views) in enumerate(groups.items()):
+            self._check_cancelled()
+            members = [
+                module for _, module in pending if _in_group(names[id(module)], prefix)
+            ]  # fmt: skip
+            materialize(members, devices, made)
+            start = time.monotonic()
+            loaded |= {id(shadow.get_parameter(n)) for n in shadow.load_weights(iter(views))}
+            load_seconds += time.monotonic() - start
+            views.clear()
+            if index == 0:
+                self._hold()
+            for live, module in list(pending):
+                own = [t for t in module._parameters.values() if t is not None]
+                if not own or not all(id(t) in loaded for t in own):
+                    continue
+                quant_method = getattr(module, "quant_method", None)
+                if isinstance(quant_method, QuantizeMethodBase):
+                    quant_method.process_weights_after_loading(module)
+                staged.append((live, module))
+                pending.remove((live, module))
         self._views = []
         self._release()
-        hold = failpoints.hit("stage_weights")  # (chaos tests only)
+        for live, module in pending:
+            own = {n: t for n, t in module._parameters.items() if t is not None}
+            part = [n for n, t in own.items() if id(t) in loaded]
+            if part:
+                missing = sorted(set(own) - set(part))
+                raise StagingError(
+                    f"the update loads only part of {type(live).__name__} (not {missing})"
+                )
+            # else nothing of it is in the update (attention scales): left as it is
+        if not staged:
+            raise StagingError("the update loaded no module")
+        self._check_cancelled()
+        self.phases["load"] = load_seconds
+        self.phases["process"] = time.monotonic() - started - load_seconds
+        self._plan(staged)
+
+    def _hold(self) -> None:
+        """The `stage_weights` failpoint, after the first layer is loaded (chaos tests only)."""
+        hold = failpoints.hit("stage_weights")
         if hold is not None:
             kind, _, value = hold.partition("=")
             if kind != "sleep":
                 raise StagingError(f"the stage_weights failpoint cannot hold {hold!r}")
             time.sleep(float(value))
-        self._check_cancelled()
-        loaded = {id(shadow.get_parameter(name)) for name in loaded_names}
-        staged = []
-        for live, module in pairs:
-            own = [t for t in module._parameters.values() if t is not None]
-            done = [t for t in own if id(t) in loaded]
-            if not done:
-                continue  # nothing of it in the update (attention scales): left as it is
-            if len(done) != len(own):
-                missing = [n for n, t in module._parameters.items() if id(t) not in loaded]
-                raise StagingError(
-                    f"the update loads only part of {type(live).__name__} (not {missing})"
-                )
-            quant_method = getattr(module, "quant_method", None)
-            if isinstance(quant_method, QuantizeMethodBase):
-                quant_method.process_weights_after_loading(module)
-            staged.append((live, module))
-            self._check_cancelled()
-        if not staged:
-            raise StagingError("the update loaded no module")
-        self._check_cancelled()
-        self.phases["process"] = time.monotonic() - started - self.phases["load"]
-        self._plan(staged)
 
     def _plan(self, staged) -> None:
         copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
