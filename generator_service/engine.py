@@ -414,6 +414,7 @@ class GeneratorEngine:
         """
         params = self._sampling_params(sampling)
         queue: asyncio.Queue[Sample | None] = asyncio.Queue()
+        admitted = asyncio.Event()  # set once the call is admitted (or has ended)
         call_id = uuid.uuid4().hex
 
         def request_params(prompt_index: int, sample_index: int):
@@ -481,14 +482,23 @@ class GeneratorEngine:
                             await held.aclose()
                         if on_admitted is not None:
                             await on_admitted(version)
+                        admitted.set()
                 finally:
                     if seeded:
                         await self._llm.resume_generation()
 
+        def ended(_) -> None:
+            admitted.set()
+            queue.put_nowait(None)
+
         runner = asyncio.create_task(run_call())
-        runner.add_done_callback(lambda _: queue.put_nowait(None))
+        runner.add_done_callback(ended)
         try:
             while (sample := await queue.get()) is not None:
+                # Not before `on_admitted` is done: a request that finishes while the call's
+                # last ones are still being submitted must not be sent before the call's
+                # initial metadata (two writes at once on one gRPC call: the call breaks).
+                await admitted.wait()
                 yield sample
             error = runner.exception()
             if error is not None:

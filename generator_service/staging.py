@@ -5,8 +5,9 @@ vLLM's in-place `reload_weights` cannot overlap generation: while it loads, the 
 parameters are replaced by meta tensors. Staging instead loads into a *shadow* of the model:
 
 - `build_shadow`: a clone of every module whose subtree holds parameters (shallow: the same
-  class, configuration and `quant_method` objects), with fresh tensors allocated from the
-  checkpoint-layout metadata vLLM recorded at the first load (`LAYERWISE_INFO`). The tensors
+  class, configuration and `quant_method` objects), with new tensors laid out as the
+  checkpoint-layout metadata vLLM recorded at the first load (`LAYERWISE_INFO`), on the meta
+  device until their layer is staged (`materialize`). The tensors
   keep their class and attributes (the weight loaders, rebound to the shadow module), and a
   tensor shared by two live modules (the tied `lm_head` and the embedding) is one shadow tensor.
   Modules without parameters (attention, rotary embedding, logits processor) are not cloned.
@@ -67,6 +68,15 @@ _OWN_ATTRIBUTES = frozenset(
 # A checkpoint tensor's layer: "model.layers.3" of "model.layers.3.mlp.up_proj.weight" (the
 # shadow modules under that name are staged together); other tensors form one more group.
 LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def _by_layer(views: list) -> dict[str, list]:
+    """(name, tensor) pairs grouped by `LAYER` ("" for the rest), in order of appearance."""
+    groups: dict[str, list] = {}
+    for name, view in views:
+        match = LAYER.match(name)
+        groups.setdefault(match.group(1) if match else "", []).append((name, view))
+    return groups
 
 
 def _in_group(module_name: str, prefix: str) -> bool:
@@ -296,10 +306,8 @@ class Stage:
         started = time.monotonic()
         shadow, pairs, devices = build_shadow(self.model)
         names = {id(module): name for name, module in shadow.named_modules()}
-        groups: dict[str, list] = {}
-        for name, view in self._views:
-            match = LAYER.match(name)
-            groups.setdefault(match.group(1) if match else "", []).append((name, view))
+        groups = _by_layer(self._views)
+        self._views = []
         made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         loaded: set[int] = set()
         staged, pending = [], list(pairs)

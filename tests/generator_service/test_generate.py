@@ -208,3 +208,17 @@ def test_each_prompt_may_have_its_own_max_tokens(client, served):
                for c in client.stub.Generate(request)}  # fmt: skip
     assert lengths == {(p, k): m for p, m in (("short", 3), ("call's", 6), ("long", 11))
                        for k in range(2)}  # fmt: skip
+
+
+def test_completions_that_finish_during_admission_wait_for_it(client, served):
+    """Many 1-token requests in one call: the first finish while the last are still being
+    submitted, before the call's initial metadata is sent; they are held until it is (two
+    writes at once broke the call: GRPC_CALL_ERROR_TOO_MANY_OPERATIONS, then the client's
+    deadline; found by the wire fuzzer with n=113)."""
+    for _ in range(5):
+        stream = client.generate([[5, 6]], max_tokens=1, n=120, temperature=1.0, timeout=60)
+        completions = list(stream)
+        assert dict(stream.initial_metadata())["x-jaxrlhf-policy-version"] == str(
+            served.policy_version
+        )
+        assert len(completions) == 120
