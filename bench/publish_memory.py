@@ -4,25 +4,35 @@
     python bench/publish_memory.py --address HOST:PORT --model PATH   # a running generator
 
 The learner is N `jax.distributed` processes (gloo) with one mesh over all their devices, the
-model's parameters sharded over it (FSDP). Publishing goes as in the RLHF loop
-(`jaxrlhf.rl.publisher.publish`): every process gathers one HF tensor at a time (collectives),
-the driver streams each to a real generator service in 4 MiB chunks (`transport="stream"`), and
-the service swaps the new version in. Each process samples its resident set size (VmRSS) every
-2 ms during the publish; its baseline is the RSS just before (its own shards are in it: fake CPU
-devices keep them in host memory), taken after `malloc_trim` returned freed heap to the system.
-Reported per process: the peak increase over the baseline,
-beside the largest single tensor, one decoder layer (all its tensors) and the whole model. The
-bound to hold on this CPU emulation: each process's own shards plus `--max-increase-layers`
-decoder layers (1.5: the gathered tensor's copies and XLA:CPU's collective buffers are host
-memory here, and the driver holds the transport's chunk queue), far under the model; the bench
-exits 1, naming each process over it, when one is. `--publishes` updates are made and the last
-one is reported:
-the first also compiles each gather program (once per tensor shape), as the first update of a
-run does. The shared-memory transport is left out on purpose: its file in
-/dev/shm is the generator's staging copy of the whole model by design.
+model's parameters sharded over it (FSDP). Two ways of publishing, each to a real generator
+service over gRPC, measured in one run (`--modes`):
 
-Prints one JSON line per process, then a summary JSON line (printed whether or not the bound
-holds).
+- `sliced` (the learner's way when it streams): every process streams the slices its own
+  devices hold (`jaxrlhf.rl.publisher.publish_sliced`), one of N senders of the update; the
+  service assembles them. A test hook makes any gather in the process fail the bench.
+- `gathered` (the fallback, and how it was done before): every process gathers one HF tensor
+  at a time (collectives) and the driver streams it.
+
+Each process samples its resident set size (VmRSS) every 2 ms during the publish; its baseline
+is the RSS just before (its own shards are in it: fake CPU devices keep them in host memory),
+taken after `malloc_trim` returned freed heap to the system. Reported per process and mode:
+the peak increase over the baseline, beside the largest single tensor, one decoder layer (all
+its tensors) and the whole model. The bound, on `sliced`: each process's own shards plus
+`--max-increase-layers` decoder layers (0.25). What a sender holds beyond its shards is about
+ten chunks (its queue, the one being encoded, gRPC's copies), a fixed number of bytes: with
+`--chunk-bytes` 1 MiB (the default here) that is ~0.17 of this model's 67 MB layer; with the
+learner's default 4 MiB chunks ~0.6 of it, but 0.05 of a Llama-3.1-8B layer (870 MB, fp32).
+`--publishes` updates are made per mode and the last one is reported (the first also compiles
+the gathers). After the last (sliced) publish, the served weights are checked bit for bit
+against one stream of the model folder's own tensors from one process: greedy tokens and
+log-probs must be identical.
+
+The bench exits 1, naming each process over the bound, when one is, or when the served weights
+differ. The shared-memory transport is left out (the pool here streams): its file in /dev/shm
+is the generator's staging copy, and the pages each process writes its slices into would
+count in that process's RSS. `tests/test_multiprocess.py` runs it sliced.
+
+Prints one JSON line per process, then a summary JSON line (printed in every case).
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from jaxrlhf_wire.chunks import DEFAULT_CHUNK_BYTES  # noqa: E402 - after the path
 
 
 def rss_bytes() -> int:
@@ -81,8 +93,22 @@ def _python_error(err: str) -> str:
     return text[-3000:]
 
 
+def forbid_gathers() -> None:
+    """A test hook: any gather of a tensor in this process (`to_host`) raises, so that a
+    publish with no gather proves it."""
+    import jaxrlhf.distributed
+    import jaxrlhf.models.hf_io
+
+    def gathered(array):
+        raise AssertionError(f"a tensor of shape {array.shape} was gathered to the host")
+
+    jaxrlhf.distributed.to_host = jaxrlhf.models.hf_io.to_host = gathered
+
+
 def worker(args) -> None:
     """One learner process (argv: --worker ID)."""
+    import functools
+
     import jax
 
     from jaxrlhf.sharding import initialize_distributed
@@ -98,9 +124,16 @@ def worker(args) -> None:
     )
 
     return_freed_host_memory()  # as jaxrlhf.main does for a multi-process learner
-    from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, load_pretrained
+    from jaxrlhf.models import (
+        hf_tensor_specs,
+        iter_hf_slices,
+        iter_hf_tensors,
+        load_pretrained,
+        slice_plan,
+    )
     from jaxrlhf.models.mapping import flatten
     from jaxrlhf.rl.pool import GeneratorPool
+    from jaxrlhf.rl.publisher import publish_sliced, publish_weights_of
     from jaxrlhf.sharding import make_mesh
 
     mesh = make_mesh((1, -1, 1))
@@ -111,52 +144,90 @@ def worker(args) -> None:
     tensor_bytes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for _, shape, dtype in specs]
     layer = sum(b for (name, _, _), b in zip(specs, tensor_bytes, strict=True)
                 if name.startswith("model.layers.0."))  # fmt: skip
-    pool = GeneratorPool([args.address], transport="stream") if is_driver() else None
+    plan = slice_plan(model, params)
+    sent = sum(piece.data.nbytes for _, piece in iter_hf_slices(model, params, plan=plan))
+    pool = (GeneratorPool([args.address], transport="stream", chunk_bytes=args.chunk_bytes)
+            if is_driver() else None)  # fmt: skip
     version = broadcast(max(s.policy_version for s in pool.wait_until_serving()) + 1
                         if pool is not None else None)  # fmt: skip
-    increases, seconds = [], []
     libc = ctypes.CDLL("libc.so.6")
-    for attempt in range(args.publishes):  # the first also compiles the gathers: run it twice
-        # Freed heap back to the system first, so that the baseline is live memory only and a
-        # publish cannot hide its buffers in memory an earlier one left mapped.
-        libc.malloc_trim(0)
-        baseline = rss_bytes()
-        started = time.perf_counter()
-        with PeakSampler() as sampler:
-            stats = driven_streams(
-                lambda: iter_hf_tensors(model, params),
-                lambda tensors, v=version + attempt: pool.publish_weights(tensors, len(specs), v),
-            )
-        seconds.append(round(time.perf_counter() - started, 3))
-        increases.append(sampler.peak - baseline)
-    result = {
-        "process": jax.process_index(),
-        "devices": jax.local_device_count(),
-        "own_shard_bytes": own,
+    result = {"process": jax.process_index(), "devices": jax.local_device_count(),
+              "own_shard_bytes": own, "sliced_bytes": sent,
+              "senders": len(plan.senders)}  # fmt: skip
+    for mode in args.modes.split(","):
+        if mode == "sliced":
+            forbid_gathers()  # from here on: a gather fails the bench
+        increases, seconds = [], []
+        for _ in range(args.publishes):  # the first also compiles (gathers): run it twice
+            # Freed heap back to the system first, so that the baseline is live memory only
+            # and a publish cannot hide its buffers in memory an earlier one left mapped.
+            libc.malloc_trim(0)
+            baseline = rss_bytes()
+            started = time.perf_counter()
+            send = functools.partial(publish_weights_of, pool, len(specs), version, False,
+                                     specs, False)  # fmt: skip
+            with PeakSampler() as sampler:
+                if mode == "sliced":
+                    stats = publish_sliced(model, params, None, plan, pool, specs, send)
+                else:
+                    stats = driven_streams(lambda: iter_hf_tensors(model, params), send)
+            seconds.append(round(time.perf_counter() - started, 3))
+            increases.append(sampler.peak - baseline)
+            version += 1
+        result[mode] = {
+            "peak_increase_bytes": increases[-1],  # the last publish: steady state
+            "peak_increase_bytes_each": increases,
+            "publish_seconds": seconds,
+            "swapped_version": stats.policy_version if stats is not None else None,
+        }
+    result.update({
         "baseline_rss_bytes": baseline,
-        "peak_increase_bytes": increases[-1],  # the last publish: steady state
-        "peak_increase_bytes_each": increases,
         "largest_tensor_bytes": max(tensor_bytes),
         "layer_bytes": layer,
         "model_bytes": sum(tensor_bytes),
-        "publish_seconds": seconds,
-        "swapped_version": stats.policy_version if stats is not None else None,
-    }
+    })  # fmt: skip
     if pool is not None:
         pool.close()
     print(json.dumps(result), flush=True)
 
 
-def over_bound(results: list[dict], max_layers: float) -> list[str]:
-    """Each process whose peak increase over its baseline (which holds its own shards) exceeds
-    `max_layers` decoder layers, described."""
+def over_bound(results: list[dict], max_layers: float, mode: str = "sliced") -> list[str]:
+    """Each process whose peak increase over its baseline (which holds its own shards) in
+    `mode` exceeds `max_layers` decoder layers, described."""
     return [
-        f"process {r['process']}: +{r['peak_increase_bytes'] / 1e6:.1f} MB = "
-        f"{r['peak_increase_bytes'] / r['layer_bytes']:.2f} layers over its own shards "
+        f"process {r['process']} ({mode}): +{r[mode]['peak_increase_bytes'] / 1e6:.1f} MB = "
+        f"{r[mode]['peak_increase_bytes'] / r['layer_bytes']:.2f} layers over its own shards "
         f"(bound {max_layers} layers = {max_layers * r['layer_bytes'] / 1e6:.1f} MB)"
         for r in results
-        if r["peak_increase_bytes"] > max_layers * r["layer_bytes"]
+        if r[mode]["peak_increase_bytes"] > max_layers * r["layer_bytes"]
     ]
+
+
+def served_greedy(address: str) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their log-probs of a few prompts, from what `address` serves."""
+    from jaxrlhf.rpc import GeneratorClient
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [1, 200, 31, 77]]
+    with GeneratorClient(address) as client:
+        done = client.generate(prompts, max_tokens=16, temperature=0.0, ignore_eos=True)
+        return [(list(c.token_ids), list(c.logprobs))
+                for c in sorted(done, key=lambda c: c.prompt_index)]  # fmt: skip
+
+
+def served_as_one_stream(address: str, model: str) -> bool:
+    """Whether what `address` serves now generates exactly (tokens and log-probs, bit for bit)
+    what the model folder's own tensors do, sent as one stream by one process."""
+    from safetensors.numpy import load_file
+
+    from jaxrlhf.rpc import GeneratorClient
+
+    before = served_greedy(address)
+    tensors = {}
+    for path in sorted(Path(model).glob("*.safetensors")):
+        tensors.update(load_file(path))
+    with GeneratorClient(address) as client:
+        client.update_weights(tensors, client.status().policy_version + 1)
+    return served_greedy(address) == before
 
 
 def free_port() -> int:
@@ -173,11 +244,24 @@ def main() -> None:
     parser.add_argument("--address", default="", help="a running generator for --model")
     parser.add_argument("--publishes", type=int, default=3, help="updates; the last is reported")
     parser.add_argument(
+        "--modes",
+        default="gathered,sliced",
+        help="sliced: each process streams its own slices (the learner's publish, no gather); "
+        "gathered: each tensor gathered, the driver streams it (the fallback); comma-separated",
+    )
+    parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=1 << 20,
+        help="bytes per streamed chunk: the learner's generator.weight_chunk_bytes (default "
+        f"there {DEFAULT_CHUNK_BYTES >> 20} MiB); a sender holds about ten chunks",
+    )
+    parser.add_argument(
         "--max-increase-layers",
         type=float,
-        default=1.5,
-        help="the bound: a process's peak increase over its own shards, in decoder layers "
-        "(exit 1 when a process exceeds it)",
+        default=0.25,
+        help="the bound: a process's peak increase over its own shards when publishing sliced, "
+        "in decoder layers (exit 1 when a process exceeds it)",
     )
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -222,6 +306,10 @@ def main() -> None:
             address,
             "--publishes",
             str(args.publishes),
+            "--modes",
+            args.modes,
+            "--chunk-bytes",
+            str(args.chunk_bytes),
         ]
         procs = [
             subprocess.Popen([sys.executable, __file__, "--worker", str(i), *worker_args],
@@ -230,39 +318,50 @@ def main() -> None:
             for i in range(args.processes)
         ]  # fmt: skip
         outputs = [p.communicate(timeout=600) for p in procs]
+        failed = [
+            f"process {i} (exit {proc.returncode}):\n{_python_error(err)}"
+            for i, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True))
+            if proc.returncode != 0
+        ]
+        if failed:
+            sys.exit("learner process(es) failed:\n" + "\n".join(failed))
+        # The last publish's weights (the model's own) against one stream of the same tensors.
+        same = served_as_one_stream(address, model) if args.modes.endswith("sliced") else None
     finally:
         if server is not None:
             server.terminate()
-    failed = [
-        f"process {i} (exit {proc.returncode}):\n{_python_error(err)}"
-        for i, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True))
-        if proc.returncode != 0
-    ]
-    if failed:
-        sys.exit("learner process(es) failed:\n" + "\n".join(failed))
-    results = []
-    for out, _ in outputs:
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
     for result in results:
         print(json.dumps(result))
-    worst = max(r["peak_increase_bytes"] for r in results)
+    modes = args.modes.split(",")
     summary = {
         "processes": args.processes,
         "devices": args.processes * args.devices_per_process,
+        "chunk_bytes": args.chunk_bytes,
         "model_bytes": results[0]["model_bytes"],
         "layer_bytes": results[0]["layer_bytes"],
         "largest_tensor_bytes": results[0]["largest_tensor_bytes"],
-        "worst_peak_increase_bytes": worst,
-        "increase_over_layer": round(worst / results[0]["layer_bytes"], 3),
-        "increase_over_model": round(worst / results[0]["model_bytes"], 3),
-        "swapped_version": results[0]["swapped_version"],
+        "sliced_bytes_all_processes": sum(r["sliced_bytes"] for r in results),
+        "served_equal_one_stream": same,
         "max_increase_layers": args.max_increase_layers,
     }
-    over = over_bound(results, args.max_increase_layers)
+    for mode in modes:
+        worst = max(r[mode]["peak_increase_bytes"] for r in results)
+        summary[mode] = {
+            "worst_peak_increase_bytes": worst,
+            "increase_over_layer": round(worst / results[0]["layer_bytes"], 3),
+            "increase_over_model": round(worst / results[0]["model_bytes"], 3),
+            "swapped_version": results[0][mode]["swapped_version"],
+        }
+    over = over_bound(results, args.max_increase_layers) if "sliced" in modes else []
     summary["within_bound"] = not over
     print(json.dumps(summary), flush=True)
-    if over:
-        sys.exit("publishing exceeded the memory bound:\n" + "\n".join(over))
+    problems = list(over)
+    if same is False:
+        problems.append("the served weights differ from one stream of the same tensors")
+    if problems:
+        sys.exit("publishing exceeded the memory bound or served other weights:\n"
+                 + "\n".join(problems))  # fmt: skip
 
 
 if __name__ == "__main__":

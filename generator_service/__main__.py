@@ -134,6 +134,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "with generation; 0: torch's default)",
     )
     parser.add_argument("--shutdown-grace", type=float, default=10.0)
+    parser.add_argument(
+        "--senders-timeout",
+        type=float,
+        default=60.0,
+        help="seconds an update sent by several learner processes waits, from its first "
+        "stream, for the streams of the others; then it is refused",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -234,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         auth_token=auth_token,
         tls=tls,
         shutdown_grace=args.shutdown_grace,
+        senders_timeout=args.senders_timeout,
     )
     try:
         asyncio.run(serve(engine_config, options))

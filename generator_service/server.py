@@ -29,6 +29,7 @@ from generator_service.auth import TokenAuthInterceptor
 from generator_service.engine import EngineConfig, GeneratorEngine, SwapTimes
 from generator_service.memory import keep_freed_memory
 from generator_service.requests import GenerateError, Sampling
+from generator_service.updates import Update, UpdateJoiner
 from generator_service.weights import (
     StagingFile,
     WeightAssembler,
@@ -54,14 +55,20 @@ class ServerOptions:
     tls: grpc.ServerCredentials | None = None
     # Seconds that in-flight calls get to finish after SIGTERM.
     shutdown_grace: float = 10.0
+    # Seconds an update from several senders waits for all of them (generator_service.updates).
+    senders_timeout: float = 60.0
 
 
 class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
-    def __init__(self, engine: GeneratorEngine, health_servicer: health.aio.HealthServicer):
+    def __init__(self, engine: GeneratorEngine, health_servicer: health.aio.HealthServicer,
+                 senders_timeout: float = 60.0):  # fmt: skip
         self._engine = engine
         self._health = health_servicer
         # One update at a time: they share the staging file, and versions apply in order.
         self._update_lock = asyncio.Lock()
+        # The streams of an update sent by several learner processes, joined into one.
+        self._updates = UpdateJoiner(self._update_lock, senders_timeout, self._prepare,
+                                     self._release)  # fmt: skip
         # The last successful update's (stage, pause) seconds, for GetStatus.
         self.last_swap = SwapTimes()
         self._staging: StagingFile | None = None  # created by the first update
@@ -111,61 +118,124 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             await context.abort(error.code, error.message)
 
     async def UpdateWeights(self, request_iterator, context) -> generator_pb2.UpdateWeightsResponse:
-        """Receives a stream of `ReceivedChunk`s (see `add_generator_service`)."""
-        specs = self._engine.weight_specs
-        if specs is None:
+        """Receives a stream of `ReceivedChunk`s (see `add_generator_service`): the whole update,
+        or one sender's part of it (`generator_service.updates`)."""
+        if self._engine.weight_specs is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, self._engine.weight_specs_error
             )
-        async with self._update_lock:
-            started = time.monotonic()
-            assembler = WeightAssembler(specs, self._engine.policy_version)
+        chunks = request_iterator.__aiter__()
+        try:
             try:
-                if self._staging is None:
-                    self._staging = StagingFile(self._engine.staging_dir)
-                staging = self._staging
-                staging.check_space(minimum_update_bytes(specs))
-                async for chunk in request_iterator:
-                    header = chunk.header
-                    position = assembler.add(
-                        header.policy_version,
-                        header.num_tensors,
-                        header.name,
-                        header.dtype,
-                        header.shape,
-                        header.offset,
-                        chunk.data,
-                        header.allow_rollback,
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                raise WeightUpdateError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "the weight stream was empty"
+                ) from None
+            update, sender = self._updates.join(first.header)
+            return await self._receive(update, sender, first, chunks)
+        except MalformedChunkError as error:
+            logger.warning("weight update refused: %s", error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except WeightUpdateError as error:
+            logger.warning("weight update refused: %s", error.message)
+            await context.abort(error.code, error.message)
+
+    async def _receive(self, update: Update, sender: int, chunk, chunks):
+        """One sender's stream into `update`; the update's answer (module `updates`)."""
+        swapping = False
+        try:
+            await update.wait_ready()
+            while chunk is not None:
+                if (error := update.error()) is not None:
+                    raise error
+                header = chunk.header
+                if header.sender != sender:
+                    raise WeightUpdateError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a chunk of sender {sender}'s stream says sender {header.sender}",
                     )
-                    await staging.write(position, chunk.data)
-                tensors = assembler.finish()
-                await staging.flush(assembler.staged_bytes)
-                received_seconds = time.monotonic() - started
-                failpoints.hit("update_weights")  # (chaos tests only)
-                swap = await self._engine.swap_weights(
-                    staging.path, tensors, assembler.policy_version, assembler.allow_rollback
+                pieces = update.assembler.add(
+                    header.policy_version,
+                    header.num_tensors,
+                    header.name,
+                    header.dtype,
+                    header.shape,
+                    header.offset,
+                    chunk.data,
+                    header.allow_rollback,
+                    header.slice_start,
+                    header.slice_shape,
+                    header.num_senders,
                 )
-                self.last_swap = swap = dataclasses.replace(
-                    swap, stage_seconds=received_seconds + swap.stage_seconds
-                )
-            except WeightUpdateError as error:
-                logger.warning("weight update refused: %s", error.message)
-                await context.abort(error.code, error.message)
-            except MalformedChunkError as error:
-                logger.warning("weight update refused: %s", error)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            finally:
-                if self._staging is not None:
-                    await self._staging.settle()
-                await self._publish_health()
-        seconds = time.monotonic() - started
+                await update.staging.write(pieces)
+                chunk = await anext(chunks, None)
+            update.finished.add(sender)
+            if not update.all_finished:
+                return await asyncio.shield(update.result)
+            swapping = True
+            response = await self._swap(update)
+            update.succeed(response)
+            return response
+        except MalformedChunkError as error:
+            update.fail(WeightUpdateError(grpc.StatusCode.INVALID_ARGUMENT, str(error)))
+            raise update.error() from None
+        except WeightUpdateError as error:
+            update.fail(error)
+            raise update.error() from None
+        except asyncio.CancelledError:
+            if swapping or not update.all_finished:
+                update.fail(WeightUpdateError(
+                    grpc.StatusCode.ABORTED,
+                    f"sender {sender}'s call was cancelled before the update was swapped "
+                    "in (GetStatus tells which version serves)",
+                ))  # fmt: skip
+            raise
+        except Exception as error:
+            update.fail(WeightUpdateError(
+                grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
+            ))  # fmt: skip
+            raise
+
+    async def _prepare(self, update: Update) -> None:
+        """Under the update lock, before any byte is received: the assembler and the staging
+        file of `update`."""
+        update.started = time.monotonic()
+        specs = self._engine.weight_specs
+        update.assembler = WeightAssembler(specs, self._engine.policy_version)
+        if self._staging is None:
+            self._staging = StagingFile(self._engine.staging_dir)
+        self._staging.check_space(minimum_update_bytes(specs))
+        update.staging = self._staging
+
+    async def _release(self, update: Update) -> None:
+        """Before the update lock is released: every write `update` queued has settled."""
+        if update.staging is not None:
+            await update.staging.settle()
+        await self._publish_health()
+
+    async def _swap(self, update: Update) -> generator_pb2.UpdateWeightsResponse:
+        """The received update checked complete and swapped in."""
+        assembler, staging = update.assembler, update.staging
+        tensors = assembler.finish()
+        await staging.flush(assembler.staged_bytes)
+        received_seconds = time.monotonic() - update.started
+        failpoints.hit("update_weights")  # (chaos tests only)
+        swap = await self._engine.swap_weights(
+            staging.path, tensors, assembler.policy_version, assembler.allow_rollback
+        )
+        self.last_swap = swap = dataclasses.replace(
+            swap, stage_seconds=received_seconds + swap.stage_seconds
+        )
+        seconds = time.monotonic() - update.started
         logger.info(
-            "policy_version %d live: %d tensors, %d bytes in %d chunks, %.2fs (received in "
-            "%.2fs, staged by %.2fs, paused %.2fs)",
+            "policy_version %d live: %d tensors, %d bytes in %d chunks from %d sender(s), "
+            "%.2fs (received in %.2fs, staged by %.2fs, paused %.2fs)",
             assembler.policy_version,
             len(tensors),
             assembler.num_bytes,
             assembler.num_chunks,
+            update.key.num_senders,
             seconds,
             received_seconds,
             swap.stage_seconds,
@@ -420,7 +490,7 @@ async def serve(engine_config: EngineConfig, options: ServerOptions) -> None:
     try:
         await engine.start()
         health_servicer = health.aio.HealthServicer()
-        servicer = GeneratorServicer(engine, health_servicer)
+        servicer = GeneratorServicer(engine, health_servicer, options.senders_timeout)
         add_generator_service(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(

@@ -90,44 +90,149 @@ def expected_tensors(model_dir: str | os.PathLike) -> dict[str, TensorSpec]:
     return specs
 
 
-@dataclass
-class _PartialTensor:
-    """One tensor being received: its region of the staging file and the byte ranges filled so
-    far (sorted, disjoint)."""
+class _ByteRanges:
+    """The byte ranges of `nbytes` bytes received so far (sorted, disjoint)."""
 
-    spec: TensorSpec
-    wire_dtype: str
-    position: int
-    nbytes: int
-    starts: list[int] = field(default_factory=list)
-    ends: list[int] = field(default_factory=list)
-    received: int = 0
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.received = 0
 
-    @property
-    def complete(self) -> bool:
-        return self.received == self.nbytes
-
-    def add(self, offset: int, length: int) -> None:
+    def add(self, offset: int, length: int, what: str, layout: str) -> None:
+        """Records [offset, offset + length); INVALID_ARGUMENT past the end or over bytes
+        already received. `what` names the tensor (or slice), `layout` its dtype and shape."""
         end = offset + length
-        name = self.spec.name
         if end > self.nbytes:
-            raise WeightUpdateError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"tensor {name}: chunk at byte offset {offset} with {length} bytes ends at "
-                f"{end}, past the tensor's {self.nbytes} bytes ({self.wire_dtype} "
-                f"{list(self.spec.shape)}): over-long data",
+            raise _invalid(
+                f"{what}: chunk at byte offset {offset} with {length} bytes ends at {end}, "
+                f"past the {self.nbytes} bytes ({layout}): over-long data"
             )
         position = bisect.bisect_right(self.starts, offset)
         overlaps_before = position > 0 and self.ends[position - 1] > offset
         overlaps_after = position < len(self.starts) and self.starts[position] < end
         if overlaps_before or overlaps_after or (not length and offset in self.starts):
-            raise WeightUpdateError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"tensor {name}: bytes [{offset}, {end}) were already received: duplicated data",
+            raise _invalid(
+                f"{what}: bytes [{offset}, {end}) were already received: duplicated data"
             )
         self.starts.insert(position, offset)
         self.ends.insert(position, end)
         self.received += length
+
+
+@dataclass
+class _Slice:
+    """A box of a tensor being received: `start` and `shape` per dimension, its bytes (its own
+    row-major order) and where they go in the tensor's region. The box is `runs` contiguous runs
+    of `run_bytes` bytes in the whole tensor's layout: every dimension after the first one the
+    box does not span whole is spanned whole."""
+
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    ranges: _ByteRanges
+    run_bytes: int
+    run_offsets: list[int]  # each run's byte offset in the tensor (one run: [its offset])
+
+    @classmethod
+    def of(cls, full: tuple[int, ...], start: tuple[int, ...], shape: tuple[int, ...],
+           itemsize: int) -> _Slice:  # fmt: skip
+        ndim = len(full)
+        strides = [math.prod(full[j + 1 :]) * itemsize for j in range(ndim)]  # bytes
+        # The last dimension the box does not span whole: a run is the box's extent there.
+        last = max((j for j in range(ndim) if shape[j] != full[j]), default=-1)
+        base = sum(s * stride for s, stride in zip(start, strides, strict=True))
+        if last < 0:
+            run_bytes = math.prod(full) * itemsize
+        else:
+            run_bytes = shape[last] * strides[last]
+        offsets = [base]
+        for j in range(last - 1, -1, -1):  # each outer index, in the box's row-major order
+            if shape[j] > 1:
+                offsets = [o + i * strides[j] for i in range(shape[j]) for o in offsets]
+        return cls(start, shape, _ByteRanges(math.prod(shape) * itemsize), run_bytes, offsets)
+
+    def pieces(self, offset: int, data: memoryview) -> list[tuple[int, memoryview]]:
+        """(byte offset in the tensor, bytes) of `data`, the slice's bytes from `offset`."""
+        if len(self.run_offsets) == 1:
+            return [(self.run_offsets[0] + offset, data)]
+        out = []
+        done = 0
+        while done < len(data):
+            run, inner = divmod(offset + done, self.run_bytes)
+            take = min(self.run_bytes - inner, len(data) - done)
+            out.append((self.run_offsets[run] + inner, data[done : done + take]))
+            done += take
+        return out
+
+    def overlaps(self, start: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+        return all(
+            a < b + m and b < a + n
+            for a, n, b, m in zip(self.start, self.shape, start, shape, strict=True)
+        )
+
+
+@dataclass
+class _PartialTensor:
+    """One tensor being received: its region of the staging file and the slices started so far
+    (the whole tensor is one slice)."""
+
+    spec: TensorSpec
+    wire_dtype: str
+    position: int
+    nbytes: int
+    slices: dict[tuple[tuple[int, ...], tuple[int, ...]], _Slice] = field(default_factory=dict)
+
+    @property
+    def received(self) -> int:
+        return sum(piece.ranges.received for piece in self.slices.values())
+
+    @property
+    def complete(self) -> bool:
+        # The slices are disjoint boxes inside the tensor (checked as each starts): all bytes
+        # of as many elements as the tensor has cover it exactly once.
+        return self.received == self.nbytes
+
+    def slice(self, start: tuple[int, ...], shape: tuple[int, ...]) -> _Slice:
+        """The slice `start`/`shape` (both empty: the whole tensor), started on first sight."""
+        full = self.spec.shape
+        if not start and not shape:
+            start, shape = (0,) * len(full), full
+        key = (start, shape)
+        found = self.slices.get(key)
+        if found is not None:
+            return found
+        name = self.spec.name
+        if len(start) != len(full) or len(shape) != len(full):
+            raise _invalid(
+                f"tensor {name}: a slice needs slice_start and slice_shape with one entry per "
+                f"dimension of {list(full)}, got {list(start)} and {list(shape)}"
+            )
+        if any(s < 0 or n <= 0 or s + n > f for s, n, f in zip(start, shape, full, strict=True)):
+            raise _invalid(
+                f"tensor {name}: slice at {list(start)} of shape {list(shape)} is empty or lies "
+                f"outside the tensor's {list(full)}"
+            )
+        for other in self.slices.values():
+            if other.overlaps(start, shape):
+                raise _invalid(
+                    f"tensor {name}: slice at {list(start)} of shape {list(shape)} overlaps the "
+                    f"slice at {list(other.start)} of shape {list(other.shape)}: duplicated data"
+                )
+        itemsize = self.nbytes // max(1, math.prod(full)) if math.prod(full) else 1
+        created = _Slice.of(full, start, shape, itemsize)
+        self.slices[key] = created
+        return created
+
+    def add(self, start: tuple[int, ...], shape: tuple[int, ...], offset: int,
+            data: memoryview) -> list[tuple[int, memoryview]]:  # fmt: skip
+        """Records a chunk of slice `start`/`shape`; (file position, bytes) to write."""
+        piece = self.slice(start, shape)
+        what, layout = f"tensor {self.spec.name}", f"{self.wire_dtype} {list(self.spec.shape)}"
+        if piece.shape != self.spec.shape:
+            what += f" slice at {list(piece.start)} of shape {list(piece.shape)}"
+            layout = f"{self.wire_dtype} {list(piece.shape)}"
+        piece.ranges.add(offset, len(data), what, layout)
+        return [(self.position + at, part) for at, part in piece.pieces(offset, data)]
 
     def missing_description(self) -> str:
         return f"{self.spec.name} (received {self.received} of {self.nbytes} bytes)"
@@ -150,7 +255,9 @@ class WeightAssembler:
     Every update must carry the complete set of the served model's tensors: vLLM's in-place reload
     materialises each layer afresh, so a layer given only some of its tensors would keep garbage
     in the rest. `add` returns where in the staging file a chunk's bytes go; the caller writes
-    them there. The file grows to one copy of the model in the dtypes sent.
+    them there. The chunks of several streams (senders) of one update may go through one
+    assembler: each tensor may come as slices, from any of them. The file grows to one copy of
+    the model in the dtypes sent.
     """
 
     def __init__(self, specs: dict[str, TensorSpec], current_version: int) -> None:
@@ -159,6 +266,7 @@ class WeightAssembler:
         self.policy_version: int | None = None
         self.num_tensors: int | None = None
         self.allow_rollback = False
+        self.num_senders = 1
         self.num_chunks = 0
         self.num_bytes = 0
         self.staged_bytes = 0  # the end of the last region handed out: the file's size
@@ -174,25 +282,33 @@ class WeightAssembler:
         offset: int,
         data: bytes | memoryview,
         allow_rollback: bool = False,
-    ) -> int:
-        """Checks one chunk; returns the byte position in the staging file where `data` goes.
+        slice_start: Iterable[int] = (),
+        slice_shape: Iterable[int] = (),
+        num_senders: int = 0,
+    ) -> list[tuple[int, memoryview]]:
+        """Checks one chunk; returns (byte position in the staging file, bytes) for each part
+        of `data` (one, unless the chunk carries a slice whose rows lie apart in the tensor).
 
         Raises WeightUpdateError on the first problem.
         """
         self.num_chunks += 1
         where = f"chunk {self.num_chunks} (tensor {name or '<unnamed>'})"
+        num_senders = max(1, num_senders)
         if self.policy_version is None:
             self._check_header(policy_version, num_tensors, allow_rollback)
-        elif (policy_version, num_tensors, allow_rollback) != (
+            self.num_senders = num_senders
+        elif (policy_version, num_tensors, allow_rollback, num_senders) != (
             self.policy_version,
             self.num_tensors,
             self.allow_rollback,
+            self.num_senders,
         ):
             raise _invalid(
                 f"{where} has policy_version {policy_version}, num_tensors {num_tensors}, "
-                f"allow_rollback {allow_rollback}; the stream started with "
-                f"{self.policy_version}, {self.num_tensors}, {self.allow_rollback}: "
-                "every chunk of one update must carry the same values"
+                f"allow_rollback {allow_rollback}, num_senders {num_senders}; the update "
+                f"started with {self.policy_version}, {self.num_tensors}, "
+                f"{self.allow_rollback}, {self.num_senders}: every chunk of one update must "
+                "carry the same values, from every sender"
             )
         partial = self._tensors.get(name)
         if partial is None:
@@ -204,9 +320,9 @@ class WeightAssembler:
             )
         if not len(data) and partial.nbytes > 0:
             raise _invalid(f"{where} at offset {offset} carries no data")
-        partial.add(offset, len(data))
+        pieces = partial.add(tuple(slice_start), tuple(slice_shape), offset, memoryview(data))
         self.num_bytes += len(data)
-        return partial.position + offset
+        return pieces
 
     def _check_header(self, policy_version: int, num_tensors: int, allow_rollback: bool) -> None:
         check_update_header(
@@ -434,10 +550,11 @@ class StagingFile:
                 f"{self.directory}, which has {free}",
             )
 
-    async def write(self, position: int, data: bytes | memoryview) -> None:
-        """Queues `data` to be written at `position`; waits while too many writes are queued."""
+    async def write(self, pieces: list[tuple[int, memoryview]]) -> None:
+        """Queues each (position, bytes) of one chunk to be written; waits while too many
+        chunks' writes are queued."""
         loop = asyncio.get_running_loop()
-        self._pending.append(loop.run_in_executor(self._writer, self._write, position, data))
+        self._pending.append(loop.run_in_executor(self._writer, self._write, pieces))
         while len(self._pending) > self._max_pending:
             await self._next_done()
 
@@ -462,11 +579,12 @@ class StagingFile:
                 f"could not stage the update in {self.path}: {error}",
             ) from error
 
-    def _write(self, position: int, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            written = os.pwrite(self._fd, view, position)
-            view, position = view[written:], position + written
+    def _write(self, pieces: list[tuple[int, memoryview]]) -> None:
+        for position, data in pieces:
+            view = memoryview(data).cast("B")
+            while view:
+                written = os.pwrite(self._fd, view, position)
+                view, position = view[written:], position + written
 
     def close(self) -> None:
         """Deletes the file (call `settle` first if a stream may still be writing)."""

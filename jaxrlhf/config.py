@@ -195,6 +195,10 @@ def base_config() -> ml_collections.ConfigDict:
         # How weights reach the generators: "auto" = through a shared-memory file when every
         # generator runs on this host, else streamed over gRPC; "stream"; "shared".
         weight_transport="auto",
+        # Bytes of weight data per gRPC message when streamed. The sender holds about ten
+        # chunks at a time (its queue, the one being encoded, gRPC's copies): a learner process
+        # publishing its slices holds its own shards plus that (bench/publish_memory.py).
+        weight_chunk_bytes=4 << 20,
         # Publish version v from a copy of v's parameters (one more copy of the policy on the
         # learner's devices, in the published dtype) in a thread, beside the learner's next
         # step, instead of in it (jaxrlhf.rl.publisher). One-process learners only.
@@ -321,6 +325,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
         config.generator.weight_transport in transports,
         f"config.generator.weight_transport={config.generator.weight_transport!r}: "
         f"must be one of {transports}",
+    )
+    from jaxrlhf_wire.chunks import MAX_CHUNK_BYTES
+
+    _require(
+        0 < config.generator.weight_chunk_bytes <= MAX_CHUNK_BYTES,
+        f"config.generator.weight_chunk_bytes={config.generator.weight_chunk_bytes}: must be in "
+        f"(0, {MAX_CHUNK_BYTES}] (the gRPC message limit less room for the chunk's header)",
     )
     for key, allowed in (("swap_mode", SWAP_MODES), ("in_flight_kv", IN_FLIGHT_KV)):
         _require(

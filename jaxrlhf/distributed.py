@@ -73,6 +73,15 @@ def broadcast(value: Any) -> Any:
     return pickle.loads(data.tobytes())
 
 
+def all_succeeded(ok: bool) -> bool:
+    """Whether `ok` holds on every process (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok, np.bool_))))
+
+
 def shard_global(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """Places a host batch that every process holds whole: rows split over (data, fsdp), each
     process supplying only its own devices' shards."""
@@ -122,7 +131,7 @@ def _gather_per_process(devices: frozenset, leading: tuple[int, ...]) -> Callabl
     return jax.jit(lambda x: x, out_shardings=sharding)
 
 
-_AGAIN, _DONE, _FAILED = 1, 0, 2
+_AGAIN, _DONE, _FAILED, _PLAN = 1, 0, 2, 3
 
 
 class _Stream:
@@ -180,5 +189,32 @@ def driven_streams(make_stream: Callable[[], Iterator[Any]], consume: Callable[[
         raise
     if current:
         current.pop().drain()
+    broadcast(_DONE)
+    return result
+
+
+def driven_plans(consume: Callable[[Callable[[Any], None]], Any], follow: Callable[[Any], None]):
+    """`consume(announce)` on the driver, where each `announce(plan)` (any picklable value)
+    hands `plan` to every other process, which runs `follow(plan)` at once, beside the driver's
+    own work; the processes need not act in step otherwise (weight publishing with no gather:
+    each attempt's plan, then every process sends its own part). Returns `consume`'s result on
+    the driver, None elsewhere. At the end the driver broadcasts "done" (or "failed": the other
+    processes then raise too). In one process: `consume` with an `announce` that does nothing.
+    """
+    if jax.process_count() == 1:
+        return consume(lambda plan: None)
+    if not is_driver():
+        while True:
+            signal = broadcast(None)
+            if signal == _DONE:
+                return None
+            if signal == _FAILED:
+                raise RuntimeError("the driver (process 0) failed to publish the weights")
+            follow(signal[1])
+    try:
+        result = consume(lambda plan: broadcast((_PLAN, plan)))
+    except BaseException:
+        broadcast(_FAILED)
+        raise
     broadcast(_DONE)
     return result

@@ -57,48 +57,84 @@ DATA_TAG = _varint(DATA_KEY)
 # --- encoding (the learner) -------------------------------------------------------------------
 
 
-def _tensor_bytes(name: str, array: Any) -> tuple[str, tuple[int, ...], memoryview]:
+@dataclass(frozen=True)
+class TensorSlice:
+    """A box of a tensor of `shape`: `data` is tensor[start[0] : start[0] + data.shape[0], ...]
+    (any array, a strided view too). A process of a multi-process learner sends these, the
+    parts of each tensor that its devices hold, so that no process gathers a whole tensor."""
+
+    shape: tuple[int, ...]
+    start: tuple[int, ...]
+    data: Any
+
+
+def _wire_array(name: str, array: Any) -> tuple[str, np.ndarray]:
     array = np.asarray(array)
     dtype_name = wire_dtype_name(array.dtype)
     if dtype_name is None:
         raise ValueError(f"tensor {name} has dtype {array.dtype}; send one of {WEIGHT_DTYPES}")
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    array = np.ascontiguousarray(array)
-    return dtype_name, tuple(array.shape), memoryview(array.reshape(-1).view(np.uint8))
+    return dtype_name, array
+
+
+def _row_blocks(array: np.ndarray, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
+    """(byte offset, bytes) of `array`'s row-major bytes, at most `chunk_bytes` each: whole
+    rows (of its first axis) at a time where a row fits, so that a strided array (a transposed
+    kernel, a shard's view) is copied a block at a time, never whole."""
+    if array.ndim == 0 or array.size == 0:
+        yield 0, memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        return
+    row_bytes = array.nbytes // array.shape[0]
+    rows = max(1, chunk_bytes // max(1, row_bytes))
+    for first in range(0, array.shape[0], rows):
+        block = np.ascontiguousarray(array[first : first + rows])
+        data = memoryview(block.reshape(-1).view(np.uint8))
+        for within in range(0, len(data), chunk_bytes):
+            yield first * row_bytes + within, data[within : within + chunk_bytes]
 
 
 def _iter_pieces(
     tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
     chunk_bytes: int,
     num_tensors: int | None,
-) -> Iterator[tuple[int, str, str, tuple[int, ...], int, memoryview]]:
-    """(num_tensors, name, dtype, shape, byte offset, bytes) of every chunk, tensor by tensor."""
+) -> Iterator[tuple[tuple, memoryview]]:
+    """(header fields, bytes) of every chunk, tensor (or slice) by tensor; the fields are
+    (num_tensors, name, dtype, shape, byte offset, slice_start, slice_shape)."""
     if chunk_bytes <= 0 or chunk_bytes > MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
     items: Iterable[tuple[str, Any]] = tensors.items() if isinstance(tensors, Mapping) else tensors
     if num_tensors is None:
         items = list(items)
-        num_tensors = len(items)
-    for name, array in items:
-        dtype_name, shape, data = _tensor_bytes(name, array)
-        offset = 0
-        while True:
-            piece = data[offset : offset + chunk_bytes]
-            yield num_tensors, name, dtype_name, shape, offset, piece
-            offset += len(piece)
-            if offset >= len(data):
-                break
+        num_tensors = len({name for name, _ in items})
+    for name, value in items:
+        if isinstance(value, TensorSlice):
+            dtype_name, array = _wire_array(name, value.data)
+            shape, start, extent = tuple(value.shape), tuple(value.start), tuple(array.shape)
+            if len(start) != len(shape) or len(extent) != len(shape):
+                raise ValueError(
+                    f"slice of tensor {name} {list(shape)}: start {list(start)} "
+                    f"and data shape {list(extent)} need one entry per dimension"
+                )
+        else:
+            dtype_name, array = _wire_array(name, value)
+            shape, start, extent = tuple(array.shape), (), ()
+        for offset, piece in _row_blocks(array, chunk_bytes):
+            yield (num_tensors, name, dtype_name, shape, offset, start, extent), piece
 
 
 def _header(
     policy_version: int,
     allow_rollback: bool,
+    num_senders: int,
+    sender: int,
     num_tensors: int,
     name: str,
     dtype_name: str,
     shape: tuple[int, ...],
     offset: int,
+    slice_start: tuple[int, ...],
+    slice_shape: tuple[int, ...],
 ) -> generator_pb2.WeightChunk:
     """A chunk's every field but its data."""
     return generator_pb2.WeightChunk(
@@ -109,6 +145,10 @@ def _header(
         dtype=dtype_name,
         shape=shape,
         offset=offset,
+        slice_start=slice_start,
+        slice_shape=slice_shape,
+        num_senders=num_senders,
+        sender=sender,
     )
 
 
@@ -118,16 +158,21 @@ def iter_weight_chunks(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     num_tensors: int | None = None,
     allow_rollback: bool = False,
+    num_senders: int = 0,
+    sender: int = 0,
 ) -> Iterator[generator_pb2.WeightChunk]:
     """Splits named arrays into `WeightChunk`s of at most `chunk_bytes` data each.
 
-    Lazy: one tensor's bytes at a time are copied into messages. With `num_tensors` given,
-    `tensors` may be a one-pass iterator (e.g. parameters converted on the fly) and is never
-    held in full; without it, it is listed first to count it. A count that does not match what
-    is sent is refused by the server. A zero-size tensor is sent as one empty chunk.
+    Lazy: one tensor's bytes at a time are copied into messages, a block of rows at a time.
+    A value may be a `TensorSlice` (a box of the named tensor); `num_tensors` counts distinct
+    names. With `num_tensors` given, `tensors` may be a one-pass iterator (e.g. parameters
+    converted on the fly) and is never held in full; without it, it is listed first to count
+    it. A count that does not match what is sent is refused by the server. A zero-size tensor
+    is sent as one empty chunk. `num_senders`/`sender`: this stream is one of several that
+    carry the update (WeightChunk in the .proto).
     """
-    for *fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
-        chunk = _header(policy_version, allow_rollback, *fields)
+    for fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
+        chunk = _header(policy_version, allow_rollback, num_senders, sender, *fields)
         chunk.data = piece.tobytes()
         yield chunk
 
@@ -138,6 +183,8 @@ def encode_weight_chunks(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     num_tensors: int | None = None,
     allow_rollback: bool = False,
+    num_senders: int = 0,
+    sender: int = 0,
 ) -> Iterator[bytes]:
     """The chunks of `iter_weight_chunks`, serialised, for an UpdateWeights call whose request
     serializer is None (`jaxrlhf.rpc.GeneratorClient.update_weights_encoded`).
@@ -145,9 +192,9 @@ def encode_weight_chunks(
     Each message is the protobuf encoding of the chunk without its data, followed by the data
     field (protobuf accepts fields in any order), so the tensor's bytes are copied only once.
     """
-    for *fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
-        header = _header(policy_version, allow_rollback, *fields).SerializeToString()
-        yield b"".join((header, DATA_TAG, _varint(len(piece)), piece))
+    for fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
+        header = _header(policy_version, allow_rollback, num_senders, sender, *fields)
+        yield b"".join((header.SerializeToString(), DATA_TAG, _varint(len(piece)), piece))
 
 
 # --- decoding (the server) --------------------------------------------------------------------

@@ -148,8 +148,9 @@ def test_plan_check():
 
 @pytest.mark.slow
 def test_publish_memory(tiny_llama, generator_address):
-    # Two learner processes publish the shared server's own model to it, twice. A bound of 0
-    # layers, which any publish exceeds: the bench must report both processes and exit 1.
+    # Two learner processes publish the shared server's own model to it, twice per mode. A
+    # bound of 0 layers, which any publish exceeds: the bench must report both processes and
+    # exit 1. The sliced publish must have served exactly what one stream of the model does.
     command = [sys.executable, "bench/publish_memory.py", "--model", str(tiny_llama),
                "--address", generator_address, "--publishes", "2",
                "--max-increase-layers", "0"]  # fmt: skip
@@ -160,28 +161,35 @@ def test_publish_memory(tiny_llama, generator_address):
     assert "publishing exceeded the memory bound" in result.stderr, output
     (*rows, summary) = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
     assert [r["process"] for r in rows] == [0, 1] and summary["devices"] == 4
-    assert summary["swapped_version"] == rows[0]["swapped_version"] > 0
-    assert all(len(r["peak_increase_bytes_each"]) == 2 for r in rows)
+    assert summary["served_equal_one_stream"] is True
+    assert "the served weights differ" not in result.stderr, output
+    # Every byte of the model sent once over the two processes, each sending a part.
+    assert summary["sliced_bytes_all_processes"] == summary["model_bytes"]
+    assert all(0 < r["sliced_bytes"] < summary["model_bytes"] for r in rows)
+    assert summary["sliced"]["swapped_version"] == rows[0]["sliced"]["swapped_version"] > (
+        summary["gathered"]["swapped_version"] > 0)  # fmt: skip
+    assert all(len(r[mode]["peak_increase_bytes_each"]) == 2
+               for r in rows for mode in ("sliced", "gathered"))  # fmt: skip
     assert 0 < summary["layer_bytes"] < summary["model_bytes"]
     assert summary["max_increase_layers"] == 0 and summary["within_bound"] is False
-    assert all(f"process {r['process']}: +" in result.stderr for r in rows), output
+    assert all(f"process {r['process']} (sliced): +" in result.stderr for r in rows), output
 
 
 def test_publish_memory_bound():
     """The bench's check (bench/publish_memory.py `over_bound`), on hand-made rows: a process
-    at exactly 1.5 layers over its shards holds the bound, one byte more does not."""
+    at exactly 0.25 layers over its shards holds the bound, one byte more does not."""
     path = REPO / "bench" / "publish_memory.py"
     spec = importlib.util.spec_from_file_location("publish_memory", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = [
-        {"process": 0, "peak_increase_bytes": 150_000_000, "layer_bytes": 100_000_000},
-        {"process": 1, "peak_increase_bytes": 150_000_001, "layer_bytes": 100_000_000},
+        {"process": 0, "sliced": {"peak_increase_bytes": 25_000_000}, "layer_bytes": 100_000_000},
+        {"process": 1, "sliced": {"peak_increase_bytes": 25_000_001}, "layer_bytes": 100_000_000},
     ]
-    assert bench.over_bound(rows[:1], 1.5) == []
-    (message,) = bench.over_bound(rows, 1.5)
-    expected = "process 1: +150.0 MB = 1.50 layers over its own shards (bound 1.5 layers"
-    assert message == expected + " = 150.0 MB)"
+    assert bench.over_bound(rows[:1], 0.25) == []
+    (message,) = bench.over_bound(rows, 0.25)
+    expected = "process 1 (sliced): +25.0 MB = 0.25 layers over its own shards (bound 0.25 layers"
+    assert message == expected + " = 25.0 MB)"
 
 
 @pytest.mark.slow

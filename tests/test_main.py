@@ -131,6 +131,7 @@ def test_generators_in_another_swap_mode_are_refused():
     [
         ("rollout.length_law", "pareto:2", "config.rollout.length_law: length law 'pareto:2'"),
         ("generator.capacity", -1, "config.generator.capacity=-1: must be >= 0"),
+        ("generator.weight_chunk_bytes", 0, "config.generator.weight_chunk_bytes=0: must be in"),
         (
             "rollout.min_response_tokens",
             17,

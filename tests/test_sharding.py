@@ -153,3 +153,45 @@ def test_two_processes_match_single_device(reference, tmp_path):
     for result in results:
         np.testing.assert_allclose(result["losses"], ref_losses, rtol=1e-5)
         np.testing.assert_allclose(result["checksum"], ref_total, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 1, 8), (1, 2, 4), (8, 1, 1)])
+def test_each_tensor_is_sliced_once_as_the_shards_lie(mesh_shape):
+    """`iter_hf_slices` (publishing with no gather): the slices put together are exactly the
+    tensors `iter_hf_tensors` gathers, every element sent once, none gathered."""
+    from jaxrlhf.models import iter_hf_slices, iter_hf_tensors, slice_plan
+    from jaxrlhf_wire.chunks import TensorSlice
+
+    mesh = make_mesh(mesh_shape, jax.devices()[:8])
+    model, params = load_pretrained(sharding_model(), mesh=mesh)
+    whole = dict(iter_hf_tensors(model, params))
+    plan = slice_plan(model, params)
+    assert plan.senders == (0,) and all(owners for owners in plan.owners.values())
+    built = {name: np.zeros_like(value) for name, value in whole.items()}
+    sent = {name: np.zeros(value.shape, np.int32) for name, value in whole.items()}
+    count = 0
+    for name, piece in iter_hf_slices(model, params, plan=plan):
+        assert isinstance(piece, TensorSlice) and piece.shape == whole[name].shape
+        index = tuple(slice(s, s + n) for s, n in zip(piece.start, piece.data.shape, strict=True))
+        built[name][index] = piece.data
+        sent[name][index] += 1
+        count += 1
+    for name in whole:
+        assert (sent[name] == 1).all(), name
+        np.testing.assert_array_equal(built[name], whole[name], err_msg=name)
+    if mesh_shape == (8, 1, 1):  # replicated everywhere: one slice per tensor
+        assert count == len(whole)
+    else:
+        assert count > len(whole)
+
+
+def test_a_shard_that_a_reshape_would_split_is_not_a_box():
+    from jaxrlhf.models.mapping import KERNEL, KERNEL_FROM_HEADS, VECTOR
+
+    shape = (16, 4, 8)  # a q kernel: embed, heads, head_dim
+    assert KERNEL.hf_box((0, 2, 0), (16, 2, 8), shape) == ((16, 0), (16, 16))  # heads 2-3
+    assert KERNEL.hf_box((8, 0, 0), (8, 4, 8), shape) == ((0, 8), (32, 8))  # embed half
+    assert KERNEL.hf_box((0, 0, 4), (16, 4, 4), shape) is None  # head_dim halves: strided
+    assert KERNEL_FROM_HEADS.hf_box((1, 0, 0), (1, 8, 16), (4, 8, 16)) == ((0, 8), (16, 8))
+    assert VECTOR.hf_box((0, 4), (4, 4), (4, 8)) is None
+    assert VECTOR.hf_box((2, 0), (2, 8), (4, 8)) == ((16,), (16,))

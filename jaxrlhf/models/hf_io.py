@@ -237,6 +237,117 @@ def iter_hf_tensors(
             del host
 
 
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple, tuple]:
+    """(first index, extent) per dimension of a shard's index into an array of `shape`."""
+    start = tuple(0 if part.start is None else part.start for part in index)
+    stop = tuple(
+        dim if part.stop is None else part.stop for part, dim in zip(index, shape, strict=True)
+    )
+    return start, tuple(b - a for a, b in zip(start, stop, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicePlan:
+    """Who sends what when every process publishes its own part (`iter_hf_slices`): per Flax
+    leaf, the devices whose shard of it is sent (one per distinct shard over all processes: the
+    lowest device id that holds it: process 0 always sends some of each), or None for a leaf
+    whose shards are not boxes of its HF tensors; and the processes that send, in order."""
+
+    owners: dict[str, frozenset | None]
+    senders: tuple[int, ...]
+
+    @property
+    def gathered(self) -> list[str]:
+        """The leaves whose shards are not boxes of their HF tensors."""
+        return [leaf for leaf, owners in self.owners.items() if owners is None]
+
+    def sender(self, process: int) -> int | None:
+        """`process`'s index among the senders (None: it sends nothing)."""
+        return self.senders.index(process) if process in self.senders else None
+
+
+def slice_plan(model: Transformer, params: dict) -> SlicePlan:
+    """The `SlicePlan` of `params` (the same on every process: read from the shardings)."""
+    flat = mapping.flatten(params)
+    owners: dict[str, frozenset | None] = {}
+    senders = {0} if jax.process_count() == 1 else set()
+    for rule in mapping.bound_rules(model.config, list(flat)):
+        leaf = flat[rule.flax]
+        layer_shape = tuple(leaf.shape[1:] if rule.per_layer else leaf.shape)
+        first: dict[tuple, jax.Device] = {}
+        boxes_ok = True
+        for device, index in leaf.sharding.devices_indices_map(tuple(leaf.shape)).items():
+            start, extent = _box(index, tuple(leaf.shape))
+            key = (start, extent)
+            if key not in first or device.id < first[key].id:
+                first[key] = device
+            inner = (start[1:], extent[1:]) if rule.per_layer else (start, extent)
+            boxes_ok = boxes_ok and rule.layout.hf_box(*inner, layer_shape) is not None
+        if boxes_ok:
+            owners[rule.flax] = frozenset(first.values())
+            senders.update(device.process_index for device in first.values())
+        else:
+            owners[rule.flax] = None
+    return SlicePlan(owners, tuple(sorted(senders)))
+
+
+def iter_hf_slices(
+    model: Transformer, params: dict, dtype: str | None = None, plan: SlicePlan | None = None
+) -> Iterator[tuple[str, Any]]:
+    """This process's part of every HF tensor, for publishing with no gather: (HF name,
+    `TensorSlice`) for each shard this process's devices own (`SlicePlan`), a layer at a time,
+    tensor by tensor in `iter_hf_tensors`' order. Together, the processes' slices cover every
+    tensor exactly once.
+
+    No collective and no whole tensor: a shard on a CPU device is read in place (a view of its
+    buffer), any other one is copied to the host a layer's shard at a time, cast on its device
+    first when `dtype` differs. Raises ValueError for a leaf whose shards are not boxes of
+    the HF tensor (`SlicePlan.gathered`): such a model is published gathered.
+    """
+    from jaxrlhf_wire.chunks import TensorSlice
+
+    plan = slice_plan(model, params) if plan is None else plan
+    flat = mapping.flatten(params)
+    np_dtype = numpy_dtype(dtype) if dtype else None
+    for rule in mapping.bound_rules(model.config, list(flat)):
+        leaf = flat[rule.flax]
+        cast = np_dtype is not None and leaf.dtype != np_dtype
+        names = list(mapping.hf_names(rule, model.config.num_layers))
+        owners = plan.owners[rule.flax]
+        if owners is None:
+            raise ValueError(
+                f"parameter {rule.flax}: its shards are not boxes of HF tensor(s) {names[0]}..."
+                " (a reshape merges dimensions they split); publish it gathered"
+            )
+        layer_shape = tuple(leaf.shape[1:] if rule.per_layer else leaf.shape)
+        hf_shape = rule.layout.hf_shape(layer_shape)
+        shards = [shard for shard in leaf.addressable_shards if shard.device in owners]
+        shards.sort(key=lambda shard: _box(shard.index, tuple(leaf.shape)))
+        for i, name in enumerate(names):
+            for shard in shards:
+                start, extent = _box(shard.index, tuple(leaf.shape))
+                if rule.per_layer:
+                    if not start[0] <= i < start[0] + extent[0]:
+                        continue
+                    layer, start, extent = i - start[0], start[1:], extent[1:]
+                else:
+                    layer = None
+                hf_start, _ = rule.layout.hf_box(start, extent, layer_shape)
+                host = _shard_on_host(shard.data, layer, np_dtype if cast else None)
+                yield name, TensorSlice(hf_shape, hf_start, rule.layout.to_hf(host))
+                del host
+
+
+def _shard_on_host(data: jax.Array, layer: int | None, dtype) -> np.ndarray:
+    """One device's shard (its `layer`, if stacked) on the host, cast to `dtype` (None: as
+    it is): a view of a CPU buffer when nothing is to be cast, else a copy of that part."""
+    if dtype is None and _on_one_cpu(data):
+        whole = np.asarray(data)
+        return whole if layer is None else whole[layer]
+    part = data if layer is None else data[layer]
+    return np.asarray(part.astype(dtype) if dtype is not None else part)
+
+
 def hf_tensor_specs(
     model: Transformer, params: dict, dtype: str | None = None
 ) -> list[tuple[str, tuple[int, ...], np.dtype]]:

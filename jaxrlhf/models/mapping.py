@@ -49,6 +49,35 @@ class Layout:
             return (math.prod(flax_shape),)
         return tuple(flax_shape)
 
+    def hf_box(
+        self, start: tuple[int, ...], extent: tuple[int, ...], flax_shape: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """Where a box of the Flax array (its first index and extent per dimension, e.g. one
+        device's shard) lies in the HF tensor: (start, extent) there, or None when its elements
+        are not one box of the HF tensor (a reshape merges dimensions the box splits)."""
+        if self.kind == "kernel":
+            n = self.n_in
+            inner = _merged(start[:n], extent[:n], flax_shape[:n])
+            outer = _merged(start[n:], extent[n:], flax_shape[n:])
+            if inner is None or outer is None:
+                return None
+            return (outer[0], inner[0]), (outer[1], inner[1])
+        if self.kind == "vector":
+            merged = _merged(start, extent, flax_shape)
+            return None if merged is None else ((merged[0],), (merged[1],))
+        return tuple(start), tuple(extent)
+
+
+def _merged(start, extent, shape) -> tuple[int, int] | None:
+    """(first index, extent) of a box of `shape` once its dimensions are merged into one
+    (row-major), or None when its elements are not one contiguous range there: the box must be
+    one index wide up to some dimension and whole after it."""
+    first = next((d for d in range(len(shape)) if extent[d] != 1), len(shape) - 1)
+    if any(extent[d] != shape[d] for d in range(first + 1, len(shape))):
+        return None
+    flat = sum(s * math.prod(shape[d + 1 :]) for d, s in enumerate(start))
+    return flat, math.prod(extent)
+
 
 SAME = Layout("same")
 KERNEL = Layout("kernel", 1)

@@ -38,6 +38,7 @@ from jaxrlhf.rl.transport import (
     StreamTransport,
     WeightTransport,
 )
+from jaxrlhf.rl.transport.senders import DriverSenders, SharedSenders
 from jaxrlhf.rpc import generator_pb2
 from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient
 from jaxrlhf_wire.hosts import is_local_target
@@ -425,6 +426,7 @@ class GeneratorPool:
         allow_rollback: bool = False,
         specs: Sequence[tuple[str, tuple[int, ...], Any]] | None = None,
         rejoining_only: bool = False,
+        transport: WeightTransport | None = None,
     ) -> PublishStats:
         """Sends `policy_version` to every live and rejoining replica (only the rejoining ones
         with `rejoining_only`); returns once each has swapped or was marked failed.
@@ -433,6 +435,7 @@ class GeneratorPool:
         `specs` ([(name, shape, dtype)] of the stream, in order) allows the same-host shared
         file. `allow_rollback`: replicas accept a version not newer than theirs (resuming); a
         rejoining replica always does (it takes the current weights whatever it served).
+        `transport`: this publish's, instead of the pool's (`sender_transport`).
         Raises GeneratorError when no replica took it and none can come back (module
         docstring), or one refused it as malformed."""
         started = time.perf_counter()
@@ -450,7 +453,7 @@ class GeneratorPool:
         attempt = 0
         responses: list[generator_pb2.UpdateWeightsResponse] = []
         if pending:
-            transport = self._transport_for(specs)
+            transport = transport or self._transport_for(specs)
             delay = self.backoff_seconds
             for attempt in range(1, self.retries + 2):
                 by_client = {r.client: r for r in pending}
@@ -514,6 +517,16 @@ class GeneratorPool:
 
     def _join(self, replica: Replica, version: int) -> None:
         self.lifecycle.join(replica, version)
+
+    def sender_transport(self, specs, num_senders: int, announce) -> WeightTransport:
+        """The driver's transport when the `num_senders` processes of a multi-process learner
+        each send their own slices (`jaxrlhf.rl.transport.senders`): streams, or writes into
+        the shared file, as the pool's transport goes; `announce` hands each attempt to the
+        other processes."""
+        transport = self._transport_for(specs)
+        if isinstance(transport, SharedFileTransport):
+            return SharedSenders(transport, announce)
+        return DriverSenders(self.chunk_bytes, num_senders, self._credentials, announce)
 
     def _transport_for(self, specs) -> WeightTransport:
         """The transport, decided at the first publish: the shared file when `transport` is

@@ -23,25 +23,29 @@ publish still running when it needed it done). Without the background, both are 
 publish's seconds. `generator_pause_s`: for the publishes of `weight_sync_s`, the time the
 generators held generation back to swap (the longest replica's, summed over publishes).
 
-Over several processes a publish stays in the learner's step: each process gathers its part
-with the others, which a thread beside the next step's collectives could not do in the same
-order.
+Over several processes a publish stays in the learner's step (it announces each attempt to
+the others with a collective). Every process sends the slices its own devices hold: as one of
+several streams of the update, or written into the shared file; nothing is gathered
+(`publish_sliced`). Only a model whose shards are not boxes of its HF tensors is gathered,
+each process taking part in each tensor's gather and the driver sending it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from typing import Any
 
 import jax
 
-from jaxrlhf.distributed import broadcast, driven_streams
-from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors
+from jaxrlhf.distributed import broadcast, driven_plans, driven_streams
+from jaxrlhf.models import hf_tensor_specs, iter_hf_slices, iter_hf_tensors, slice_plan
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.rollout import Rollout
+from jaxrlhf.rl.transport.senders import FollowerSenders
 
 REJOIN_POLL_SECONDS = 1.0
 
@@ -56,17 +60,47 @@ def publish(
     params=None,
 ):
     """Publishes the policy (`params`, by default the learner's) as `version` (to the replicas
-    that rejoin only, with `rejoining_only`); every process gathers its tensors (one at a
-    time), the driver sends them (`distributed.driven_streams`). Returns the driver's
+    that rejoin only, with `rejoining_only`). Over several processes, each sends its own slices
+    when the pool streams (`publish_sliced`); else every process gathers its tensors (one at a
+    time) and the driver sends them (`distributed.driven_streams`). Returns the driver's
     PublishStats."""
     policy_params = learner.state.params["policy"] if params is None else params
     specs = hf_tensor_specs(learner.policy, policy_params, dtype)
-    return driven_streams(
-        lambda: iter_hf_tensors(learner.policy, policy_params, dtype),
-        lambda tensors: pool.publish_weights(tensors, len(specs), version,
-                                             allow_rollback=rollback, specs=specs,
-                                             rejoining_only=rejoining_only),
-    )  # fmt: skip
+    send = functools.partial(publish_weights_of, pool, len(specs), version, rollback, specs,
+                             rejoining_only)  # fmt: skip
+    if jax.process_count() > 1:
+        plan = slice_plan(learner.policy, policy_params)
+        if not plan.gathered:  # the same on every process
+            return publish_sliced(learner.policy, policy_params, dtype, plan, pool, specs, send)
+    return driven_streams(lambda: iter_hf_tensors(learner.policy, policy_params, dtype), send)
+
+
+def publish_weights_of(pool, num_tensors, version, rollback, specs, rejoining_only, tensors,
+                       transport=None):  # fmt: skip
+    """`pool.publish_weights` of `tensors` (a stream factory), through `transport` when given
+    (the senders of a multi-process learner)."""
+    chosen = {} if transport is None else {"transport": transport}
+    return pool.publish_weights(tensors, num_tensors, version, allow_rollback=rollback,
+                                specs=specs, rejoining_only=rejoining_only, **chosen)  # fmt: skip
+
+
+_FOLLOWER = FollowerSenders()  # a process other than the driver: its clients, kept
+
+
+def publish_sliced(model, params, dtype: str | None, plan, pool, specs, send):
+    """Every process sends (streams, or writes into the shared file) the slices its devices
+    own (`jaxrlhf.rl.transport.senders`): the driver's pool runs the attempts and announces
+    each; the others follow it. No gather."""
+    slices = functools.partial(iter_hf_slices, model, params, dtype, plan)
+    sender = plan.sender(jax.process_index())
+
+    def consume(announce):
+        return send(slices, transport=pool.sender_transport(specs, len(plan.senders), announce))
+
+    def follow(attempt) -> None:
+        _FOLLOWER.send(attempt, slices, sender)
+
+    return driven_plans(consume, follow)
 
 
 def publish_due(updates: int, cfg) -> bool:

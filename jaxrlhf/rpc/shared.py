@@ -40,16 +40,9 @@ class SharedWeightsFile:
     tensors will be written, laid out in a memory-mapped file in `directory`."""
 
     def __init__(self, directory: str, specs: Sequence[tuple[str, tuple[int, ...], Any]]):
-        self.specs = [(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in specs]
-        self.positions: list[int] = []
-        size = 0
-        for name, shape, dtype in self.specs:
-            if wire_dtype_name(dtype) is None:
-                raise ValueError(f"tensor {name} has dtype {dtype}; one of {WEIGHT_DTYPES}")
-            size = aligned(size)
-            self.positions.append(size)
-            size += math.prod(shape) * dtype.itemsize
-        self.size = size
+        self._lay_out(specs)
+        self._owner = True  # created here: deleted by close
+        size = self.size
         remove_stale_files(directory, PREFIX)
         fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".bin",
                                          dir=directory)  # fmt: skip
@@ -89,6 +82,57 @@ class SharedWeightsFile:
             raise ValueError(f"{len(missing)} tensors were not written, e.g. {missing[0]}")
         return written
 
+    @classmethod
+    def attach(
+        cls, path: str, specs: Sequence[tuple[str, tuple[int, ...], Any]]
+    ) -> SharedWeightsFile:
+        """The file another process of the learner created at `path` for `specs`, mapped here to
+        write this process's slices into (`write_slices`); `close` leaves it in place."""
+        self = cls.__new__(cls)
+        self._lay_out(specs)
+        self.path, self._owner = path, False
+        with open(path, "r+b") as file:
+            if os.fstat(file.fileno()).st_size != max(self.size, 1):
+                raise ValueError(f"shared weight file {path} is not laid out for these tensors")
+            self._map = mmap.mmap(file.fileno(), max(self.size, 1))
+        return self
+
+    def _lay_out(self, specs) -> None:
+        """`specs`, each tensor's page-aligned position in the file, and the file's size."""
+        self.specs = [(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in specs]
+        self.positions: list[int] = []
+        size = 0
+        for name, shape, dtype in self.specs:
+            if wire_dtype_name(dtype) is None:
+                raise ValueError(f"tensor {name} has dtype {dtype}; one of {WEIGHT_DTYPES}")
+            size = aligned(size)
+            self.positions.append(size)
+            size += math.prod(shape) * dtype.itemsize
+        self.size = size
+
+    def write_slices(self, tensors: Iterable[tuple[str, Any]]) -> int:
+        """Copies each (name, `TensorSlice`) into its box of the tensor's region, casting to the
+        laid-out dtype, in any order (a process of a multi-process learner writes the slices its
+        devices hold, the others theirs). Returns the bytes written."""
+        if self._map is None:
+            raise ValueError("the shared weight file is closed")
+        layout = {name: (shape, dtype, position) for (name, shape, dtype), position
+                  in zip(self.specs, self.positions, strict=True)}  # fmt: skip
+        written = 0
+        for name, piece in tensors:
+            if name not in layout:
+                raise ValueError(f"tensor {name} is not laid out in the shared weight file")
+            shape, dtype, position = layout[name]
+            data = np.asarray(piece.data)
+            if tuple(piece.shape) != shape:
+                raise ValueError(f"a slice of {name} says shape {list(piece.shape)}, "
+                                 f"laid out {list(shape)}")  # fmt: skip
+            index = tuple(slice(s, s + n) for s, n in zip(piece.start, data.shape, strict=True))
+            region = np.ndarray(shape, dtype, self._map, position)
+            np.copyto(region[index], data, casting="unsafe")
+            written += data.size * dtype.itemsize
+        return written
+
     def request(self, policy_version: int, allow_rollback: bool = False):
         """The UpdateWeightsShared request that points a server at this file."""
         return generator_pb2.SharedWeights(
@@ -110,7 +154,8 @@ class SharedWeightsFile:
             except BufferError:
                 pass  # a view still holds it; the mapping goes with the last view
             self._map = None
-        Path(self.path).unlink(missing_ok=True)
+        if self._owner:
+            Path(self.path).unlink(missing_ok=True)
 
     def __enter__(self) -> SharedWeightsFile:
         return self

@@ -42,6 +42,7 @@ def generator_pool(config, model_path: Path, log):
         targets, restart = [start()], start
     pool = GeneratorPool(
         targets, auth_token=token, transport=gen.weight_transport,
+        chunk_bytes=gen.weight_chunk_bytes,
         timeouts=Timeouts(gen.generate_timeout_s, gen.update_timeout_s, gen.status_timeout_s),
         probe_interval=gen.probe_interval_s, restart=restart, max_restarts=gen.max_restarts,
         no_replica_timeout=gen.no_replica_timeout_s, log=log, capacity=gen.capacity,

@@ -30,6 +30,7 @@ def start_generator_server():
     return start_test_server
 
 
+SENDERS_TIMEOUT_S = 5.0
 GREEDY_PROMPTS = [[5, 6, 7, 8], [9, 10], [1, 200, 31, 77, 150, 3]]
 
 
@@ -69,7 +70,9 @@ class ServedWeights:
 @pytest.fixture(scope=PACKAGE)
 def generator_server(tiny_llama, tmp_path_factory):
     """This package's own generator (see the module docstring); overrides the session's."""
-    server = start_test_server(tiny_llama, tmp_path_factory.mktemp("generator") / "server.log")
+    # Updates from several senders wait SENDERS_TIMEOUT_S for a missing one (not 60 s).
+    server = start_test_server(tiny_llama, tmp_path_factory.mktemp("generator") / "server.log",
+                               ["--senders-timeout", str(SENDERS_TIMEOUT_S)])  # fmt: skip
     yield server
     server.terminate()
 

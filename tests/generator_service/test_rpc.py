@@ -41,11 +41,41 @@ def test_weight_chunks_split_by_byte_offset_and_keep_bfloat16():
     chunks = list(iter_weight_chunks({"embed": embed, "norm": norm}, 7, chunk_bytes=10))
     assert {c.policy_version for c in chunks} == {7} and {c.num_tensors for c in chunks} == {2}
     embed_chunks = [c for c in chunks if c.name == "embed"]
-    assert [c.offset for c in embed_chunks] == [0, 10, 20]
+    assert [c.offset for c in embed_chunks] == [0, 8, 16]  # whole rows (8 bytes) where one fits
     assert {c.dtype for c in embed_chunks} == {"bfloat16"}
     assert list(embed_chunks[0].shape) == [3, 4]
     data = b"".join(c.data for c in embed_chunks)
     np.testing.assert_array_equal(np.frombuffer(data, ml_dtypes.bfloat16).reshape(3, 4), embed)
+    norm_chunks = [c for c in chunks if c.name == "norm"]  # 1-D: its rows are its elements
+    assert [(c.offset, len(c.data)) for c in norm_chunks] == [(0, 8), (8, 8)]
+    narrow = list(iter_weight_chunks({"embed": embed}, 7, chunk_bytes=6))  # a row is over 6 bytes
+    assert [(c.offset, len(c.data)) for c in narrow] == [(0, 6), (6, 2), (8, 6), (14, 2),
+                                                         (16, 6), (22, 2)]  # fmt: skip
+    assert not any(c.slice_start or c.slice_shape or c.num_senders for c in chunks)
+
+
+def test_a_slice_is_sent_as_its_own_row_major_bytes_with_its_box():
+    from jaxrlhf_wire.chunks import TensorSlice
+
+    kernel = np.arange(24, dtype=np.float32).reshape(4, 6)
+    part = kernel.T[2:5, 1:3]  # a strided view: rows 2-4, columns 1-2 of the (6, 4) tensor
+    chunks = list(
+        iter_weight_chunks(
+            [("w", TensorSlice((6, 4), (2, 1), part))],
+            3,
+            chunk_bytes=12,
+            num_tensors=5,
+            num_senders=2,
+            sender=1,
+        )
+    )
+    assert [(c.offset, len(c.data)) for c in chunks] == [(0, 8), (8, 8), (16, 8)]
+    assert {(tuple(c.slice_start), tuple(c.slice_shape), tuple(c.shape)) for c in chunks} == {
+        ((2, 1), (3, 2), (6, 4))
+    }
+    assert {(c.num_senders, c.sender, c.num_tensors) for c in chunks} == {(2, 1, 5)}
+    data = np.frombuffer(b"".join(c.data for c in chunks), np.float32).reshape(3, 2)
+    np.testing.assert_array_equal(data, part)
 
 
 @pytest.mark.parametrize(

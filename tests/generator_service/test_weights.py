@@ -66,7 +66,7 @@ def stage(chunks, staging: StagingFile, current_version=0):
         staging.check_space(minimum_update_bytes(SPECS))
         try:
             for item in chunks:
-                await staging.write(assembler.add(**item), item["data"])
+                await staging.write(assembler.add(**item))
             tensors = assembler.finish()
             await staging.flush(assembler.staged_bytes)
             return tensors
@@ -248,7 +248,7 @@ CASES = {
     "over-long data": (
         [chunk(EMBED, b"\0" * 100)],
         grpc.StatusCode.INVALID_ARGUMENT,
-        "past the tensor's 96 bytes (float32 [6, 4]): over-long data",
+        "past the 96 bytes (float32 [6, 4]): over-long data",
     ),
     "empty chunk": (
         [chunk(EMBED, b"")],
@@ -275,3 +275,96 @@ def test_malformed_stream_is_refused_with_a_named_problem(case):
     error = refused(chunks, current_version=3 if case == "stale version" else 0)
     assert error.code == code
     assert message in error.message
+
+
+def sliced(values, boxes, version=1, num_senders=2, sender=0, chunk_bytes=16):
+    """The add() arguments of the chunks of `boxes` [(name, start, extent)] of `values`."""
+    from jaxrlhf_wire.chunks import TensorSlice, iter_weight_chunks
+
+    def box(start, extent):
+        return tuple(slice(s, s + n) for s, n in zip(start, extent, strict=True))
+
+    items = [
+        (name, TensorSlice(SPECS[name].shape, start, values[name][box(start, extent)]))
+        for name, start, extent in boxes
+    ]
+    return [
+        dict(policy_version=c.policy_version, num_tensors=c.num_tensors, name=c.name,
+             dtype=c.dtype, shape=tuple(c.shape), offset=c.offset, data=c.data,
+             slice_start=tuple(c.slice_start), slice_shape=tuple(c.slice_shape),
+             num_senders=c.num_senders)
+        for c in iter_weight_chunks(items, version, chunk_bytes, num_tensors=2,
+                                    num_senders=num_senders, sender=sender)
+    ]  # fmt: skip
+
+
+# Each process's boxes: columns of the embedding split two ways, then rows of one half split
+# again, and the norm in two halves: three senders, three shapes of slice.
+THREE_SENDERS = [
+    [(EMBED, (0, 0), (6, 2))],
+    [(EMBED, (0, 2), (3, 2)), (NORM, (0,), (2,))],
+    [(EMBED, (3, 2), (3, 2)), (NORM, (2,), (2,))],
+]
+
+
+def test_slices_from_several_senders_are_staged_as_the_whole_tensors(tmp_path):
+    from generator_service.worker_extension import map_staged_tensors
+
+    values = arrays()
+    chunks = [c for i, boxes in enumerate(THREE_SENDERS)
+              for c in sliced(values, boxes, num_senders=3, sender=i)]  # fmt: skip
+    rng = np.random.default_rng(1)
+    chunks = [chunks[i] for i in rng.permutation(len(chunks))]  # interleaved in any order
+    staging = StagingFile(str(tmp_path))
+    tensors = stage(chunks, staging)
+    manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
+    mapped, views = map_staged_tensors(staging.path, manifest)
+    for name, view in views:
+        np.testing.assert_array_equal(view.numpy(), values[name])
+    del views, view
+    mapped.close()
+    staging.close()
+
+
+@pytest.mark.parametrize(
+    "boxes, code, message",
+    [
+        (
+            [(EMBED, (0, 0), (6, 2)), (EMBED, (0, 1), (6, 3)), (NORM, (0,), (4,))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "slice at [0, 1] of shape [6, 3] overlaps the slice at [0, 0] of shape [6, 2]: "
+            "duplicated data",
+        ),
+        (
+            [(EMBED, (0, 0), (6, 2)), (EMBED, (0, 0), (6, 2)), (NORM, (0,), (4,))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "were already received: duplicated data",
+        ),
+        (
+            [(EMBED, (0, 0), (6, 2)), (EMBED, (0, 2), (5, 2)), (NORM, (0,), (4,))],
+            grpc.StatusCode.DATA_LOSS,
+            "model.embed_tokens.weight (received 88 of 96 bytes)",
+        ),
+        (
+            [(EMBED, (0, 0), (6, 4)), (NORM, (0,), (2,))],
+            grpc.StatusCode.DATA_LOSS,
+            "model.norm.weight (received 8 of 16 bytes)",
+        ),
+    ],
+    ids=["overlap", "duplicate", "gap", "missing half"],
+)
+def test_slices_that_overlap_or_leave_a_gap_are_refused(boxes, code, message):
+    error = refused(sliced(arrays(), boxes))
+    assert error.code == code
+    assert message in error.message
+
+
+def test_a_slice_outside_its_tensor_or_senders_that_disagree_are_refused():
+    values = arrays()
+    outside = sliced(values, [(EMBED, (0, 0), (6, 4))])[0] | {"slice_start": (1, 0)}
+    assert "lies outside the tensor's [6, 4]" in refused([outside]).message
+    flat = sliced(values, [(EMBED, (0, 0), (6, 4))])[0] | {"slice_start": (0,)}
+    assert "one entry per dimension" in refused([flat]).message
+    two = sliced(values, [(EMBED, (0, 0), (6, 2))])
+    three = sliced(values, [(EMBED, (0, 2), (6, 2)), (NORM, (0,), (4,))], num_senders=3)
+    assert "from every sender" in refused(two + three).message

@@ -37,14 +37,19 @@ class SharedFileTransport(WeightTransport):
         return self._file is not None and self._version == policy_version
 
     def send(self, clients, tensor_stream: TensorStream | None, num_tensors, policy_version,
-             allow_rollback, timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
+             allow_rollback, timeout, write=None) -> dict[GeneratorClient, Outcome]:  # fmt: skip
+        """`write(file)`: how a new version gets into the file (default: this process writes
+        `tensor_stream()` whole; `senders.SharedSenders`: every process its slices)."""
         if not self.holds(policy_version):
             if tensor_stream is None:
                 raise ValueError(f"the shared file does not hold version {policy_version}")
             if self._file is None:
                 self._file = SharedWeightsFile(self.directory, self.specs)
             self._version = None  # being rewritten: it holds no whole version meanwhile
-            self._file.write(tensor_stream())
+            if write is None:
+                self._file.write(tensor_stream())
+            else:
+                write(self._file)
             self._version = policy_version
         request = self._file.request(policy_version, allow_rollback)
         # A thread per replica for this attempt: every replica swaps at once, however many.

@@ -113,13 +113,22 @@ class StreamTransport(WeightTransport):
 
     name = "stream"
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, num_senders: int = 0,
+                 sender: int = 0) -> None:  # fmt: skip
         self.chunk_bytes = chunk_bytes
+        # One of several streams of each update (`jaxrlhf.rl.transport.senders`); 0: the only one.
+        self.num_senders, self.sender = num_senders, sender
 
     def send(self, clients, tensor_stream: TensorStream, num_tensors, policy_version,
              allow_rollback, timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
         chunks = encode_weight_chunks(
-            tensor_stream(), policy_version, self.chunk_bytes, num_tensors, allow_rollback
+            tensor_stream(),
+            policy_version,
+            self.chunk_bytes,
+            num_tensors,
+            allow_rollback,
+            self.num_senders,
+            self.sender,
         )
         feeds = {client: _ReplicaFeed(CHUNKS_AHEAD) for client in clients}
         # A thread per replica, for this attempt only: every call must run at once, since the
