@@ -190,6 +190,12 @@ def stream_cases(names: list[str], shapes: list[tuple[int, ...]]):
             st.tuples(st.just("shift"), st.integers(-8, 8)), st.integers(0, UINT64_MAX)
         ),
         "allow_rollback": st.booleans(),
+        # One of several senders (a stream alone that says so waits for the others, then is
+        # refused: the server under fuzz waits only a few seconds, --senders-timeout).
+        "num_senders": st.integers(0, 3),
+        "sender": st.integers(0, 3),
+        "slice_start": st.lists(st.integers(-2, 300), max_size=3),
+        "slice_shape": st.lists(st.integers(-2, 300), max_size=3),
     }
     field = st.sampled_from(sorted(values)).flatmap(
         lambda key: st.tuples(
@@ -326,9 +332,9 @@ def _resolve(value: Any, version: int, count: int, offset: int = 0) -> Any:
 
 
 def _set_field(message, key: str, value: Any) -> None:
-    if key == "shape":
-        message.ClearField("shape")
-        message.shape.extend(value)
+    if key in ("shape", "slice_start", "slice_shape"):  # repeated fields
+        message.ClearField(key)
+        getattr(message, key).extend(value)
     else:
         setattr(message, key, value)
 
@@ -810,7 +816,7 @@ def _start_own_server() -> tuple[Any, Path]:
     repo = Path(__file__).resolve().parent.parent
     model = make_tiny_model(repo / ".cache" / "test-models" / "llama")
     log = Path(tempfile.mkdtemp(prefix="fuzz-wire-server-")) / "server.log"
-    args = ["--dtype", "float32", "--max-model-len", "256", "--seed", "0"]
+    args = ["--dtype", "float32", "--max-model-len", "256", "--seed", "0", "--senders-timeout", "3"]
     server = start_server(model, log, args, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     return server, model
 

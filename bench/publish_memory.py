@@ -20,7 +20,7 @@ the peak increase over the baseline, beside the largest single tensor, one decod
 its tensors) and the whole model. The bound, on `sliced`: each process's own shards plus
 `--max-increase-layers` decoder layers (0.25). What a sender holds beyond its shards is about
 ten chunks (its queue, the one being encoded, gRPC's copies), a fixed number of bytes: with
-`--chunk-bytes` 1 MiB (the default here) that is ~0.17 of this model's 67 MB layer; with the
+`--chunk-bytes` 1 MiB (the default here) that is ~0.16 of this model's 67 MB layer; with the
 learner's default 4 MiB chunks ~0.6 of it, but 0.05 of a Llama-3.1-8B layer (870 MB, fp32).
 `--publishes` updates are made per mode and the last one is reported (the first also compiles
 the gathers). After the last (sliced) publish, the served weights are checked bit for bit

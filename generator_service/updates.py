@@ -120,6 +120,7 @@ class UpdateJoiner:
         self._prepare = prepare  # makes the assembler and the staging file, under the lock
         self._release = release  # settles the update's writes, before the lock is released
         self._open: Update | None = None  # the update that senders are still joining
+        self._running: set[asyncio.Task] = set()  # each update's `_run` (held: never collected)
 
     def join(self, header) -> tuple[Update, int]:
         """The update of a stream whose first chunk has `header`, and its sender index; raises
@@ -153,7 +154,9 @@ class UpdateJoiner:
         update.joined.add(sender)
         if not update.all_joined:
             self._open = update
-        asyncio.ensure_future(self._run(update))
+        task = asyncio.ensure_future(self._run(update))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
         return update, sender
 
     async def _run(self, update: Update) -> None:

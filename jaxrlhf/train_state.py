@@ -169,8 +169,12 @@ def build_train_step(
     rules=LOGICAL_RULES,
     micro_batches: int = 1,
     weight_fn: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
+    keep_params: bool = False,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """jit(step) with explicit in/out shardings; the input state is donated (updated in place).
+    With `keep_params` the parameters are not donated (the optimizer state still is): the step
+    writes new ones and the old stay valid for whoever holds them (a publish running beside
+    the step), at the cost of both copies during the step, as a copy taken before it would.
 
     With `micro_batches` > 1 the batch is split (`split_micro_batches`) and the gradients are
     accumulated over the parts in a `lax.scan`, then one optimizer step is taken: the step of
@@ -241,9 +245,21 @@ def build_train_step(
         metrics = dict(_reported(metrics), loss=loss, grad_norm=optax.tree.norm(grads))
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    return jax.jit(
-        step,
-        in_shardings=(shardings, batch_spec),
+    if not keep_params:
+        return jax.jit(
+            step,
+            in_shardings=(shardings, batch_spec),
+            out_shardings=(shardings, replicated),
+            donate_argnums=(0,),
+        )
+
+    def split_step(params, rest, batch):
+        return step(TrainState(step=rest[0], params=params, opt_state=rest[1]), batch)
+
+    kept = jax.jit(
+        split_step,
+        in_shardings=(shardings.params, (shardings.step, shardings.opt_state), batch_spec),
         out_shardings=(shardings, replicated),
-        donate_argnums=(0,),
+        donate_argnums=(1,),
     )
+    return lambda state, batch: kept(state.params, (state.step, state.opt_state), batch)

@@ -195,3 +195,28 @@ def test_a_shard_that_a_reshape_would_split_is_not_a_box():
     assert KERNEL_FROM_HEADS.hf_box((1, 0, 0), (1, 8, 16), (4, 8, 16)) == ((0, 8), (16, 8))
     assert VECTOR.hf_box((0, 4), (4, 4), (4, 8)) is None
     assert VECTOR.hf_box((2, 0), (2, 8), (4, 8)) == ((16,), (16,))
+
+
+def test_a_step_that_keeps_its_parameters_leaves_them_valid_and_steps_the_same():
+    """`keep_params` (a publish in the background reads the parameters beside the next step):
+    the parameters the step read stay valid and unchanged; the step is the donating one's."""
+    mesh = make_mesh((1, 2, 1), jax.devices()[:2])
+    model, params = load_pretrained(sharding_model(), mesh=mesh)
+    optimizer = optax.adamw(1e-2, eps=1e-4)
+    shardings = state_shardings(params_shardings(model, mesh), optimizer, params, mesh)
+    batch = make_batch()
+    shapes = {k: v.shape for k, v in batch.items()}
+    results = {}
+    for keep in (True, False):  # the donating step last: it may delete `params` themselves
+        state = create_train_state(params, optimizer, shardings)
+        before = state.params
+        step = build_train_step(nll_loss(model), optimizer, mesh, shardings, shapes,
+                                keep_params=keep)  # fmt: skip
+        after, _ = step(state, shard_batch(batch, mesh))
+        leaf = jax.tree.leaves(before)[0]
+        assert leaf.is_deleted() != keep
+        if keep:
+            np.testing.assert_array_equal(np.asarray(leaf), np.asarray(jax.tree.leaves(params)[0]))
+        results[keep] = [np.asarray(x) for x in jax.tree.leaves(after.params)]
+    for donated, kept in zip(results[False], results[True], strict=True):
+        np.testing.assert_array_equal(donated, kept)

@@ -83,6 +83,9 @@ class Learner:
         )
         self._optimizer = optimizer
         self._steps: dict[tuple, Any] = {}
+        # Whether a train step leaves the parameters it read valid (not donated): a publish
+        # in the background then sends them as they are, with no copy (rl/publisher.py).
+        self.keep_params = False
         policy, temperature = self.policy, self.temperature
 
         def logprobs(params, input_ids, attention_mask):
@@ -245,7 +248,7 @@ class Learner:
                 micro_batches=micro_batch_count(
                     items, self.micro_batch_size, self.spec.sequences_per_item
                 ),
-                weight_fn=self.spec.batch_weight,
+                weight_fn=self.spec.batch_weight, keep_params=self.keep_params,
             )  # fmt: skip
         self.state, metrics = self._steps[shapes](self.state, shard_global(batch, self.mesh))
         return {k: float(to_host(v)) for k, v in metrics.items()}

@@ -8,18 +8,20 @@ for that needs generation (a batch, a checkpoint's batches, an evaluation) also 
 replicas that answer again (`wait`).
 
 Over several processes (`jaxrlhf.distributed`) every process holds a Publisher and takes part
-in each publish (each gathers its tensors); only the driver's has a pool (None elsewhere).
+in each publish (each sends its own slices); only the driver's has a pool (None elsewhere).
 
 In the background (`generator.publish_in_background`, one process): a due publish of version v
-copies v's parameters on their devices (cast to the published dtype; the next train step
-donates the learner's own) and sends the copy from a thread while the learner goes on with its
-next step. At most one publish is in flight: the next due one, a checkpoint, an evaluation, a
-rejoin and the end of the run wait for it first (`finish`). The staleness rule is unchanged: a
+sends v's parameters from a thread while the learner goes on with its next step. The learner's
+steps then keep the parameters they read (`Learner.keep_params`: not donated, so the step
+writes new ones and v's stay valid; the memory of one more copy during the step, no copying
+time); a parameter published in another dtype is cast on its device first. At most one
+publish is in flight: the next due one, a checkpoint, an evaluation, a rejoin and the end of
+the run wait for it first (`finish`). The staleness rule is unchanged: a
 batch that needs v waits until v is served (`producer.publish(v)`, from the thread). Per step
 (`take_times`): `weight_sync_s`, the seconds of the publishes the learner saw finish during the
 step (in the background: the one an earlier update started, when the learner next needs it
-done), and `publish_blocked_s`, the seconds the learner waited on publishing (the copy, and a
-publish still running when it needed it done). Without the background, both are the
+done), and `publish_blocked_s`, the seconds the learner waited on publishing (the cast, and
+a publish still running when it needed it done). Without the background, both are the
 publish's seconds. `generator_pause_s`: for the publishes of `weight_sync_s`, the time the
 generators held generation back to swap (the longest replica's, summed over publishes).
 
@@ -108,15 +110,19 @@ def publish_due(updates: int, cfg) -> bool:
     return updates % cfg.sync_every == 0 or updates == cfg.total_steps
 
 
-def device_copy(params, dtype: str | None):
-    """A copy of `params` on their devices, cast to `dtype` (None: as they are)."""
+def device_copy(params, dtype: str | None, copy: bool = True):
+    """`params` on their devices, cast to `dtype` (None: as they are); each array that is not
+    cast is copied, unless `copy` is false (then it is the array itself)."""
     from jaxrlhf.models.safetensors_io import numpy_dtype
 
     target = numpy_dtype(dtype) if dtype else None
-    return jax.tree.map(
-        lambda a: a.astype(target) if target is not None and a.dtype != target else a.copy(),
-        params,
-    )
+
+    def one(array):
+        if target is not None and array.dtype != target:
+            return array.astype(target)
+        return array.copy() if copy else array
+
+    return jax.tree.map(one, params)
 
 
 @dataclasses.dataclass
@@ -161,7 +167,9 @@ class Publisher:
             self._add(self._publish(None, version, rollback, producer, started))
             self._blocked_s += time.perf_counter() - started
             return
-        params = device_copy(self.learner.state.params["policy"], self.dtype)
+        # The learner's next step keeps these (`Learner.keep_params`): no copy to take.
+        keep = getattr(self.learner, "keep_params", False)
+        params = device_copy(self.learner.state.params["policy"], self.dtype, copy=not keep)
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="publish")
         self._pending = self._thread.submit(self._publish, params, version, rollback, producer,

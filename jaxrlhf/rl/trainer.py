@@ -318,6 +318,7 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
     start = begin(cfg, learner, pool, model_path, checkpointer, log)
     publisher = start.publisher
     publisher.background = cfg.generator.publish_in_background and jax.process_count() == 1
+    learner.keep_params = publisher.background  # what a publish sends, the next step keeps
     writer = (
         MetricsWriter(out, cfg.total_steps, start.step, resume=start.step > 0) if driver else None
     )
