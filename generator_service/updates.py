@@ -10,8 +10,9 @@ byte of every tensor has arrived exactly once. Every stream is then answered ali
 response, or the same refusal.
 
 - The first stream of an update creates it; the others join it while it waits for them. A
-  stream that disagrees with it (version, tensor count, rollback, number of senders) or repeats
-  a sender index is refused, and so is the whole update.
+  stream of several that disagrees with it (version, tensor count, rollback, number of
+  senders) or repeats a sender index is refused, and so is the whole update. A stream alone
+  (`num_senders` 0 or 1) is an update of its own, in turn after the open one.
 - Senders that have not all joined within `join_timeout` seconds of the first: the update is
   refused (FAILED_PRECONDITION, naming the missing ones).
 - One stream's failure (a malformed chunk, an overlap, its call cancelled) refuses the update;
@@ -133,7 +134,7 @@ class UpdateJoiner:
         if sender >= key.num_senders:
             raise _invalid(f"sender {sender} is not below num_senders {key.num_senders}")
         update = self._open
-        if update is not None and not update.result.done():
+        if key.num_senders > 1 and update is not None and not update.result.done():
             problem = None
             if key != update.key:
                 problem = (
@@ -150,7 +151,7 @@ class UpdateJoiner:
             if update.all_joined:
                 self._open = None
             return update, sender
-        update = Update(key)
+        update = Update(key)  # a stream alone never joins, nor closes, an open update
         update.joined.add(sender)
         if not update.all_joined:
             self._open = update

@@ -107,3 +107,19 @@ def test_a_sender_that_never_comes_times_the_update_out():
         assert late is not update
 
     asyncio.run(run())
+
+
+def test_a_stream_alone_is_its_own_update_beside_an_open_one():
+    async def run():
+        updates, _ = joiner()
+        open_one, _ = updates.join(header(sender=0))
+        alone, _ = updates.join(header(version=2, num_senders=1))
+        assert alone is not open_one and alone.all_joined and open_one.error() is None
+        joined, _ = updates.join(header(sender=1))
+        assert joined is open_one
+        await open_one.wait_ready()
+        open_one.succeed("done")
+        await alone.wait_ready()
+        alone.succeed("done")
+
+    asyncio.run(run())
