@@ -4,7 +4,8 @@ With `config.distributed.enabled` the learner runs as N `jax.distributed` proces
 mesh over all their devices. The design:
 
 - Process 0 is the driver: it alone talks to the generators (the rollout producer, weight
-  publishing's sending, evaluation's Generate calls) and writes files (metrics, summary, plots,
+  publishing's attempts, evaluation's Generate calls; in a publish every process sends its
+  own slices, as the driver announces) and writes files (metrics, summary, plots,
   the HF export). The other processes follow: whatever host data the driver gets (a rollout
   batch, the serving version, evaluation responses) it broadcasts (`broadcast`), so that every
   process then computes the same host-side inputs (scores, pairs, advantages).
@@ -39,9 +40,10 @@ def return_freed_host_memory(threshold: int = 1 << 20) -> None:
     freed (glibc's mmap threshold, fixed), so a process's host memory is what it holds now.
 
     By default glibc raises its threshold after each large free, and later buffers of that
-    size stay in the heap after they are freed: weight publishing, which gathers one tensor
-    after another, would then keep the heap of several tensors mapped (bench/publish_memory.py:
-    2 layers instead of 1 at the follower). A no-op where there is no glibc.
+    size stay in the heap after they are freed: weight publishing, which makes one chunk (or,
+    gathered, one tensor) after another, would then keep the heap of several of them mapped
+    (bench/publish_memory.py, gathered: 2 layers instead of 1 at the follower). A no-op where
+    there is no glibc.
     """
     import ctypes
 
