@@ -123,9 +123,9 @@ class _ByteRanges:
 @dataclass
 class _Slice:
     """A box of a tensor being received: `start` and `shape` per dimension, its bytes (its own
-    row-major order) and where they go in the tensor's region. The box is `runs` contiguous runs
-    of `run_bytes` bytes in the whole tensor's layout: every dimension after the first one the
-    box does not span whole is spanned whole."""
+    row-major order) and where they go in the tensor's region. In the whole tensor's layout the
+    box is contiguous runs of `run_bytes` bytes starting at `run_offsets`: its extent in the
+    last dimension it does not span whole, times the (whole) dimensions after it."""
 
     start: tuple[int, ...]
     shape: tuple[int, ...]
@@ -195,7 +195,8 @@ class _PartialTensor:
     def slice(self, start: tuple[int, ...], shape: tuple[int, ...]) -> _Slice:
         """The slice `start`/`shape` (both empty: the whole tensor), started on first sight."""
         full = self.spec.shape
-        if not start and not shape:
+        whole = not start and not shape  # (a zero-size tensor, too, is sent whole)
+        if whole:
             start, shape = (0,) * len(full), full
         key = (start, shape)
         found = self.slices.get(key)
@@ -207,7 +208,10 @@ class _PartialTensor:
                 f"tensor {name}: a slice needs slice_start and slice_shape with one entry per "
                 f"dimension of {list(full)}, got {list(start)} and {list(shape)}"
             )
-        if any(s < 0 or n <= 0 or s + n > f for s, n, f in zip(start, shape, full, strict=True)):
+        outside = any(
+            s < 0 or n <= 0 or s + n > f for s, n, f in zip(start, shape, full, strict=True)
+        )
+        if outside and not whole:
             raise _invalid(
                 f"tensor {name}: slice at {list(start)} of shape {list(shape)} is empty or lies "
                 f"outside the tensor's {list(full)}"
@@ -218,8 +222,7 @@ class _PartialTensor:
                     f"tensor {name}: slice at {list(start)} of shape {list(shape)} overlaps the "
                     f"slice at {list(other.start)} of shape {list(other.shape)}: duplicated data"
                 )
-        itemsize = self.nbytes // max(1, math.prod(full)) if math.prod(full) else 1
-        created = _Slice.of(full, start, shape, itemsize)
+        created = _Slice.of(full, start, shape, WIRE_DTYPES[self.wire_dtype].itemsize)
         self.slices[key] = created
         return created
 

@@ -368,3 +368,15 @@ def test_a_slice_outside_its_tensor_or_senders_that_disagree_are_refused():
     two = sliced(values, [(EMBED, (0, 0), (6, 2))])
     three = sliced(values, [(EMBED, (0, 2), (6, 2)), (NORM, (0,), (4,))], num_senders=3)
     assert "from every sender" in refused(two + three).message
+
+
+def test_a_zero_size_tensor_is_taken_whole_and_only_once():
+    specs = {"a": TensorSpec("a", (0, 4), "F32"), NORM: SPECS[NORM]}
+    assembler = WeightAssembler(specs, 0)
+    assembler.add(1, 2, "a", "float32", (0, 4), 0, b"")
+    assembler.add(1, 2, NORM, "float32", (4,), 0, bytes(16))
+    assert [t.nbytes for t in assembler.finish()] == [0, 16]
+    again = WeightAssembler(specs, 0)
+    again.add(1, 2, "a", "float32", (0, 4), 0, b"")
+    with pytest.raises(WeightUpdateError, match="duplicated data"):
+        again.add(1, 2, "a", "float32", (0, 4), 0, b"")
