@@ -335,6 +335,8 @@ class GeneratorEngine:
         self.occupancy = Occupancy(self.max_num_seqs)
         # Why this engine's updates cannot be staged (they are then reloaded in the pause).
         self.stage_unsupported = ""
+        self._stage_id = 0  # the number of the last stage begun (`begin_stage`)
+        self._stage_tokens: TokenCounter | None = None
 
     async def start(self) -> None:
         """Labels the engine's weights with version 0 (vLLM's weight-version spans)."""
@@ -585,17 +587,53 @@ class GeneratorEngine:
             finished_unix_time=time.time(),
         )
 
+    @property
+    def stages(self) -> bool:
+        """Whether updates are staged (`EngineConfig.stage`, and the model can be)."""
+        return self.config.stage and not self.stage_unsupported
+
+    async def begin_stage(self, expected: Sequence[str]) -> int:
+        """Begins staging an update of the tensors named `expected` before any of them has
+        come: `feed_stage` then hands in each tensor once its bytes are in the staging file,
+        and `swap_weights(..., stage_id=...)` waits for the rest and commits. Returns the
+        stage's number, or 0 when this engine does not stage (nothing begun)."""
+        if not self.stages:
+            return 0
+        self._stage_id += 1
+        reasons = await self._llm.collective_rpc(
+            "jaxrlhf_begin_stage",
+            kwargs={
+                "expected": list(expected),
+                "threads": self.config.stage_threads,
+                "stage_id": self._stage_id,
+            },
+        )
+        if any(reasons):
+            await self._staging_off([*filter(None, reasons)][0])
+            return 0
+        self._stage_tokens = TokenCounter(self._llm.output_processor.request_states)
+        return self._stage_id
+
+    async def feed_stage(self, stage_id: int, path: str, tensors: list[StagedTensor]) -> None:
+        """Hands stage `stage_id` these complete tensors of `path` (`begin_stage`)."""
+        await self._llm.collective_rpc(
+            "jaxrlhf_feed_stage",
+            kwargs={"path": path, "tensors": _manifest(tensors), "stage_id": stage_id},
+        )
+
     async def swap_weights(
         self,
         staging_path: str,
         tensors: list[StagedTensor],
         policy_version: int,
         allow_rollback: bool = False,
+        stage_id: int = 0,
     ) -> SwapTimes:
         """Loads a validated, complete update staged in `staging_path` as `policy_version`.
 
         Staged (`EngineConfig.stage`, see staging.py): the update is first converted into the
-        engine's layout while generation goes on, then committed in the pause. A stage that
+        engine's layout while generation goes on, then committed in the pause; with
+        `stage_id`, the stage `begin_stage` began, fed every one of `tensors`. A stage that
         fails is refused with the served weights untouched (still SERVING). `pause_seconds`:
         in "drain" mode from when new calls were held at the gate, through the drain and the
         commit (or load); in "in-flight" mode the commit (or load).
@@ -604,14 +642,16 @@ class GeneratorEngine:
         everything as it was; once the pause has begun, the cancellation waits for it to end:
         the swap completes, or fails and leaves the server NOT_SERVING. It never stops with the
         scheduler paused, nor with new or partial weights serving under the old version."""
-        self._check_newer(policy_version, allow_rollback)
-        manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
-        staging = self.config.stage and not self.stage_unsupported
+        manifest = _manifest(tensors)
+        staging = self.stages or stage_id != 0
         staged, stage_seconds, stage_tokens = False, 0.0, 0
         try:
+            self._check_newer(policy_version, allow_rollback)
             if staging:
                 started = time.monotonic()
-                staged, stage_tokens = await self._stage(staging_path, manifest, policy_version)
+                staged, stage_tokens = await self._stage(
+                    staging_path, manifest, policy_version, stage_id
+                )
                 stage_seconds = time.monotonic() - started
             started = time.monotonic()
             async with self._gate.write():
@@ -622,7 +662,7 @@ class GeneratorEngine:
             pause_seconds = time.monotonic() - started
         finally:
             if staging:  # (also when cancelled or refused while staging)
-                await finish_despite_cancellation(asyncio.ensure_future(self._drop_stage()))
+                await finish_despite_cancellation(asyncio.ensure_future(self.drop_stage()))
         return SwapTimes(stage_seconds, pause_seconds, stage_tokens)
 
     def _check_newer(self, policy_version: int, allow_rollback: bool) -> None:
@@ -633,52 +673,65 @@ class GeneratorEngine:
                 f"{self.policy_version}",
             )
 
-    async def _stage(self, path: str, manifest: list, policy_version: int) -> tuple[bool, int]:
-        """Stages the update in the workers and waits until every one has it; returns (staged,
-        tokens generated meanwhile). (False, 0): this model cannot be staged (logged once; it is
-        then reloaded in the pause). Raises WeightUpdateError if a stage fails."""
-        reasons = await self._llm.collective_rpc(
-            "jaxrlhf_stage_weights",
-            kwargs={"path": path, "tensors": manifest, "threads": self.config.stage_threads},
-        )
-        tokens = TokenCounter(self._llm.output_processor.request_states)
+    async def _stage(
+        self, path: str, manifest: list, policy_version: int, stage_id: int
+    ) -> tuple[bool, int]:
+        """Stages the update in the workers (or, with `stage_id`, goes on with the stage begun
+        and fed) and waits until every one has it; returns (staged, tokens generated
+        meanwhile). (False, 0): this model cannot be staged (logged once; it is then reloaded
+        in the pause). Raises WeightUpdateError if a stage fails."""
+        if stage_id:
+            tokens = self._stage_tokens or TokenCounter(self._llm.output_processor.request_states)
+        else:
+            reasons = await self._llm.collective_rpc(
+                "jaxrlhf_stage_weights",
+                kwargs={"path": path, "tensors": manifest, "threads": self.config.stage_threads},
+            )
+            if any(reasons):
+                await self._staging_off([*filter(None, reasons)][0])
+                return False, 0
+            tokens = TokenCounter(self._llm.output_processor.request_states)
         poll = STAGE_POLL_SECONDS[0]
         while True:
-            statuses = []
-            if not any(reasons):
-                statuses = await self._llm.collective_rpc("jaxrlhf_stage_status")
+            statuses = await self._llm.collective_rpc("jaxrlhf_stage_status")
             generated = tokens.update()
-            unsupported = [*filter(None, reasons)] + [
-                s["error"] for s in statuses if s["state"] == "unsupported"
-            ]
+            unsupported = [s["error"] for s in statuses if s["state"] == "unsupported"]
             if unsupported:
-                await self._drop_stage()
-                self.stage_unsupported = unsupported[0]
-                logger.warning("staged swaps are off: %s", self.stage_unsupported)
+                await self._staging_off(unsupported[0])
                 return False, 0
-            failed = [s["error"] for s in statuses if s["state"] == "failed"]
+            failed = [s["error"] for s in statuses if s["state"] in ("failed", "none")]
             if failed:
-                await self._drop_stage()
+                await self.drop_stage()
                 raise WeightUpdateError(
                     grpc.StatusCode.INTERNAL,
-                    f"staging policy_version {policy_version} failed: {failed[0]}; the served "
-                    f"weights (policy_version {self.policy_version}) are unchanged",
+                    f"staging policy_version {policy_version} failed: "
+                    f"{failed[0] or 'the stage was gone'}; the served weights (policy_version "
+                    f"{self.policy_version}) are unchanged",
                 )
             if all(s["state"] == "done" for s in statuses):
                 logger.info(
-                    "policy_version %d staged in %.3fs (load %.3fs, process %.3fs) while %d "
-                    "tokens were generated",
+                    "policy_version %d staged in %.3fs (load %.3fs, process %.3fs, waiting for "
+                    "tensors %.3fs) while %d tokens were generated",
                     policy_version,
                     max(s["seconds"] for s in statuses),
                     max(s.get("load", 0.0) for s in statuses),
                     max(s.get("process", 0.0) for s in statuses),
+                    max(s.get("wait", 0.0) for s in statuses),
                     generated,
                 )
                 return True, generated
             await asyncio.sleep(poll)
             poll = min(2 * poll, STAGE_POLL_SECONDS[1])
 
-    async def _drop_stage(self) -> None:
+    async def _staging_off(self, reason: str) -> None:
+        """This model cannot be staged: its updates are reloaded in the pause from now on."""
+        await self.drop_stage()
+        self.stage_unsupported = reason
+        logger.warning("staged swaps are off: %s", reason)
+
+    async def drop_stage(self) -> None:
+        """Stops and frees a staged or staging update, if any."""
+        self._stage_tokens = None
         try:
             await self._llm.collective_rpc("jaxrlhf_drop_staged")
         except Exception:  # noqa: BLE001 - the engine's watchdog reports a dead engine
@@ -788,6 +841,11 @@ async def finish_despite_cancellation(task: asyncio.Future):
             task.exception()  # retrieved: not reported again as "never retrieved"
         raise asyncio.CancelledError
     return task.result()
+
+
+def _manifest(tensors: list[StagedTensor]) -> list:
+    """The tensors as the worker's RPCs take them: [name, wire dtype, shape, byte position]."""
+    return [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
 
 
 def _first_error(error: BaseException) -> BaseException:

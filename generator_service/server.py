@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from generator_service import failpoints
 from generator_service.auth import TokenAuthInterceptor
 from generator_service.engine import EngineConfig, GeneratorEngine, SwapTimes
+from generator_service.feeder import StageFeeder
 from generator_service.memory import keep_freed_memory
 from generator_service.requests import GenerateError, Sampling
 from generator_service.updates import Update, UpdateJoiner
@@ -168,7 +169,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     header.slice_shape,
                     header.num_senders,
                 )
-                await update.staging.write(pieces)
+                written = await update.staging.write(pieces)
+                if update.feeder is not None:
+                    update.feeder.add(update.assembler.take_completed(), written)
                 chunk = await anext(chunks, None)
             update.finished.add(sender)
             if not update.all_finished:
@@ -207,11 +210,30 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             self._staging = StagingFile(self._engine.staging_dir)
         self._staging.check_space(minimum_update_bytes(specs))
         update.staging = self._staging
+        if self._engine.stages:
+            # Staged as it arrives (generator_service/feeder.py).
+            try:
+                stage_id = await self._engine.begin_stage(list(specs))
+            except Exception:  # noqa: BLE001 - staged after the stream instead
+                logger.exception("beginning a stage failed")
+                stage_id = 0
+            if stage_id:
+                path = self._staging.path
+
+                async def feed(tensors) -> None:
+                    await self._engine.feed_stage(stage_id, path, tensors)
+
+                update.stage_id, update.feeder = stage_id, StageFeeder(feed)
 
     async def _release(self, update: Update) -> None:
-        """Before the update lock is released: every write `update` queued has settled."""
+        """Before the update lock is released: every write `update` queued has settled, and
+        a stage begun for it and not handed to a swap is dropped."""
         if update.staging is not None:
             await update.staging.settle()
+        if update.feeder is not None:
+            await update.feeder.close()
+            update.feeder = None
+            await self._engine.drop_stage()
         await self._publish_health()
 
     async def _swap(self, update: Update) -> generator_pb2.UpdateWeightsResponse:
@@ -219,11 +241,16 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         assembler, staging = update.assembler, update.staging
         tensors = assembler.finish()
         await staging.flush(assembler.staged_bytes)
+        stage_id, feeder, update.feeder = update.stage_id, update.feeder, None
+        if feeder is not None and not await feeder.close():
+            await self._engine.drop_stage()
+            stage_id = 0  # staged from scratch below
         received_seconds = time.monotonic() - update.started
         failpoints.hit("update_weights")  # (chaos tests only)
         swap = await self._engine.swap_weights(
-            staging.path, tensors, assembler.policy_version, assembler.allow_rollback
-        )
+            staging.path, tensors, assembler.policy_version, assembler.allow_rollback,
+            stage_id=stage_id,
+        )  # fmt: skip
         self.last_swap = swap = dataclasses.replace(
             swap, stage_seconds=received_seconds + swap.stage_seconds
         )

@@ -41,9 +41,11 @@ swapped `cpu_linear` closures would be baked into compiled code).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import re
+import threading
 import time
 import types
 import weakref
@@ -70,13 +72,15 @@ _OWN_ATTRIBUTES = frozenset(
 LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
-def _by_layer(views: list) -> dict[str, list]:
-    """(name, tensor) pairs grouped by `LAYER` ("" for the rest), in order of appearance."""
-    groups: dict[str, list] = {}
-    for name, view in views:
-        match = LAYER.match(name)
-        groups.setdefault(match.group(1) if match else "", []).append((name, view))
-    return groups
+# A stage waiting this long for the next tensor of its update fails (the server drops a stage
+# whose update failed, so this only ends a stage nobody feeds nor drops).
+FEED_TIMEOUT_S = 600.0
+
+
+def _layer_of(name: str) -> str:
+    """The `LAYER` of a checkpoint tensor's name ("" for the tensors outside the layers)."""
+    match = LAYER.match(name)
+    return match.group(1) if match else ""
 
 
 def _in_group(module_name: str, prefix: str) -> bool:
@@ -234,26 +238,29 @@ def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 class Stage:
     """One update being staged in a thread of the worker (see the module docstring).
 
-    `views` are (checkpoint name, tensor) pairs; `release` is called once they are no longer
-    read (the staging file's map can then be closed). `state` is "running", "done", "failed"
-    (with `error`), "unsupported" (the model cannot be staged: reload it in the pause) or,
-    after `commit`, "committed"; `seconds` the thread's time; `threads` the CPU threads of
-    its torch ops (0: torch's default)."""
+    `expected` names every checkpoint tensor of the update. Their (name, tensor) views come by
+    `feed`, all at once or a few at a time while the update is still arriving; each layer is
+    loaded as soon as all of its tensors have come, in the order the layers complete. `release`
+    (one per feed) is called once those views are no longer read. `state` is "running",
+    "done", "failed" (with `error`), "unsupported" (the model cannot be staged: reload it in
+    the pause) or, after `commit`, "committed"; `seconds` the thread's time; `threads` the CPU
+    threads of its torch ops (0: torch's default)."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        views: Sequence[tuple[str, torch.Tensor]],
-        release: Callable[[], None],
-        threads: int = 0,
-    ):
+    def __init__(self, model: torch.nn.Module, expected: Sequence[str], threads: int = 0):
         self.model = model
         self.state = "running"
         self.error = ""
         self.seconds = 0.0
-        self.phases: dict[str, float] = {}  # seconds of loading and of processing
-        self._views = list(views)
-        self._release = release
+        self.phases: dict[str, float] = {}  # seconds of loading, of processing, of waiting
+        self._expected: dict[str, set[str]] = {}
+        for name in expected:
+            self._expected.setdefault(_layer_of(name), set()).add(name)
+        self._arrived: dict[str, list] = {}  # layer -> its (name, view) pairs fed so far
+        self._seen: set[str] = set()
+        self._complete: collections.deque[str] = collections.deque()  # layers ready to load
+        self._releases: list[Callable[[], None]] = []
+        self._fed = threading.Condition()
+        self._feed_error = ""
         self._threads = threads
         self._cancelled = False
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -261,6 +268,29 @@ class Stage:
         self._retired: list[object] = []
         self._stream = None
         self._done = _stage_thread().submit(self._run)
+
+    def feed(self, views: Sequence[tuple[str, torch.Tensor]], release: Callable[[], None]) -> None:
+        """More tensors of the update: (checkpoint name, tensor) views, which `release` frees.
+        A name that is not expected, or that came before, fails the stage."""
+        with self._fed:
+            self._releases.append(release)
+            if self.state != "running" or self._cancelled:
+                self._release_all_locked()
+                return
+            for name, view in views:
+                layer = _layer_of(name)
+                wanted = self._expected.get(layer, ())
+                if name not in wanted or name in self._seen:
+                    self._feed_error = (
+                        f"tensor {name} was fed {'twice' if name in self._seen else 'unexpected'}"
+                    )
+                    break
+                self._seen.add(name)
+                arrived = self._arrived.setdefault(layer, [])
+                arrived.append((name, view))
+                if len(arrived) == len(wanted):
+                    self._complete.append(layer)
+            self._fed.notify_all()
 
     def status(self) -> dict:
         return {"state": self.state, "error": self.error, "seconds": self.seconds, **self.phases}
@@ -287,33 +317,61 @@ class Stage:
             logger.exception("staging failed")
             self.error, state = f"{type(error).__name__}: {error}", "failed"
             self._copies, self._swaps = [], []
-        self._views = []
-        self._release()
         self.seconds = time.monotonic() - started
-        self.state = state  # last: a reader seeing "done" sees everything else
+        with self._fed:
+            self.state = state  # last: a reader seeing "done" sees everything else
+            self._arrived, self._complete = {}, collections.deque()
+            self._release_all_locked()
+
+    def _release_all_locked(self) -> None:
+        releases, self._releases = self._releases, []
+        for release in releases:
+            release()
+
+    def _next_layer(self) -> tuple[str, list]:
+        """The next layer whose tensors have all been fed (waiting for it), and its views."""
+        waited, last_feed = time.monotonic(), time.monotonic()
+        seen = len(self._seen)
+        with self._fed:
+            while not self._complete:
+                self._check_cancelled()
+                if self._feed_error:
+                    raise StagingError(self._feed_error)
+                if len(self._seen) != seen:
+                    seen, last_feed = len(self._seen), time.monotonic()
+                elif time.monotonic() - last_feed > FEED_TIMEOUT_S:
+                    raise StagingError(
+                        f"no tensor of the update came for {FEED_TIMEOUT_S:g} s "
+                        f"({len(self._seen)} came)"
+                    )
+                self._fed.wait(timeout=1.0)
+            layer = self._complete.popleft()
+            views = self._arrived.pop(layer)
+        self.phases["wait"] = self.phases.get("wait", 0.0) + time.monotonic() - waited
+        return layer, views
 
     def _check_cancelled(self) -> None:
         if self._cancelled:
             raise StagingError("cancelled")
 
     def _stage(self) -> None:
-        """Layer by layer (`LAYER`): give the layer's shadow modules storage, load its tensors
-        with the model's own `load_weights`, and process each module once all of its tensors
-        are loaded, which frees its checkpoint-layout copy before the next layer is loaded (so
-        the next reuses that memory instead of faulting in fresh pages)."""
+        """Layer by layer (`LAYER`), as each layer's tensors have all come: give the layer's
+        shadow modules storage, load its tensors with the model's own `load_weights`, and
+        process each module once all of its tensors are loaded, which frees its
+        checkpoint-layout copy before the next layer is loaded (so the next reuses that memory
+        instead of faulting in fresh pages)."""
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
         started = time.monotonic()
         shadow, pairs, devices = build_shadow(self.model)
         names = {id(module): name for name, module in shadow.named_modules()}
-        groups = _by_layer(self._views)
-        self._views = []
         made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         loaded: set[int] = set()
         staged, pending = [], list(pairs)
         load_seconds = 0.0
-        for index, (prefix, views) in enumerate(groups.items()):
+        for index in range(len(self._expected)):
             self._check_cancelled()
+            prefix, views = self._next_layer()
             members = [
                 module for _, module in pending if _in_group(names[id(module)], prefix)
             ]  # fmt: skip
@@ -322,6 +380,7 @@ class Stage:
             loaded |= {id(shadow.get_parameter(n)) for n in shadow.load_weights(iter(views))}
             load_seconds += time.monotonic() - start
             views.clear()
+            self.phases["layers"] = index + 1  # (groups loaded: a status shows the progress)
             if index == 0:
                 self._hold()
             for live, module in list(pending):
@@ -333,8 +392,8 @@ class Stage:
                     quant_method.process_weights_after_loading(module)
                 staged.append((live, module))
                 pending.remove((live, module))
-        self._views = []
-        self._release()
+        with self._fed:
+            self._release_all_locked()
         for live, module in pending:
             own = {n: t for n, t in module._parameters.items() if t is not None}
             part = [n for n, t in own.items() if id(t) in loaded]
@@ -347,8 +406,9 @@ class Stage:
         if not staged:
             raise StagingError("the update loaded no module")
         self._check_cancelled()
+        waited = self.phases.get("wait", 0.0)
         self.phases["load"] = load_seconds
-        self.phases["process"] = time.monotonic() - started - load_seconds
+        self.phases["process"] = time.monotonic() - started - load_seconds - waited
         self._plan(staged)
 
     def _hold(self) -> None:
@@ -411,7 +471,9 @@ class Stage:
         """Frees the staged update and the retired attributes; a stage still running stops at
         its next module and frees itself (without waiting for it: this runs in an RPC that
         holds the engine's loop). A later stage queues behind it on the one staging thread."""
-        self._cancelled = True
+        with self._fed:
+            self._cancelled = True
+            self._fed.notify_all()
         self._copies, self._swaps, self._retired = [], [], []
 
 

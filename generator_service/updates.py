@@ -73,6 +73,8 @@ class Update:
         self.result: asyncio.Future = asyncio.get_running_loop().create_future()
         self.assembler = None
         self.staging = None
+        self.stage_id = 0  # the engine's stage begun for it (generator_service/feeder.py)
+        self.feeder = None  # feeding that stage, until the swap takes it over
 
     @property
     def all_joined(self) -> bool:

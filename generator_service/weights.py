@@ -240,6 +240,10 @@ class _PartialTensor:
     def missing_description(self) -> str:
         return f"{self.spec.name} (received {self.received} of {self.nbytes} bytes)"
 
+    def staged(self) -> StagedTensor:
+        return StagedTensor(self.spec.name, self.wire_dtype, self.spec.shape, self.position,
+                            self.nbytes)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class StagedTensor:
@@ -274,6 +278,7 @@ class WeightAssembler:
         self.num_bytes = 0
         self.staged_bytes = 0  # the end of the last region handed out: the file's size
         self._tensors: dict[str, _PartialTensor] = {}
+        self._completed: list[StagedTensor] = []  # since the last `take_completed`
 
     def add(
         self,
@@ -325,7 +330,14 @@ class WeightAssembler:
             raise _invalid(f"{where} at offset {offset} carries no data")
         pieces = partial.add(tuple(slice_start), tuple(slice_shape), offset, memoryview(data))
         self.num_bytes += len(data)
+        if partial.complete:  # (a tensor's bytes are never counted twice: complete once)
+            self._completed.append(partial.staged())
         return pieces
+
+    def take_completed(self) -> list[StagedTensor]:
+        """The tensors whose last bytes the chunks added since the last call brought."""
+        completed, self._completed = self._completed, []
+        return completed
 
     def _check_header(self, policy_version: int, num_tensors: int, allow_rollback: bool) -> None:
         check_update_header(
@@ -368,10 +380,7 @@ class WeightAssembler:
                 f"the stream for policy_version {self.policy_version} ended before all "
                 f"{self.num_tensors} tensors were complete; " + "; ".join(parts),
             )
-        return [
-            StagedTensor(p.spec.name, p.wire_dtype, p.spec.shape, p.position, p.nbytes)
-            for p in self._tensors.values()
-        ]
+        return [p.staged() for p in self._tensors.values()]
 
 
 def check_update_header(
@@ -553,13 +562,16 @@ class StagingFile:
                 f"{self.directory}, which has {free}",
             )
 
-    async def write(self, pieces: list[tuple[int, memoryview]]) -> None:
+    async def write(self, pieces: list[tuple[int, memoryview]]) -> asyncio.Future:
         """Queues each (position, bytes) of one chunk to be written; waits while too many
-        chunks' writes are queued."""
+        chunks' writes are queued. Returns the write's future (the writes run one at a time,
+        in order: when one is done, so are all queued before it)."""
         loop = asyncio.get_running_loop()
-        self._pending.append(loop.run_in_executor(self._writer, self._write, pieces))
+        written = loop.run_in_executor(self._writer, self._write, pieces)
+        self._pending.append(written)
         while len(self._pending) > self._max_pending:
             await self._next_done()
+        return written
 
     async def flush(self, size: int) -> None:
         """Waits until every queued write is in the file, and sets its size to `size` (the end

@@ -27,6 +27,7 @@ import torch
 
 from generator_service.memory import keep_freed_memory
 from jaxrlhf_wire.dtypes import WIRE_DTYPES
+from jaxrlhf_wire.files import aligned
 
 logger = logging.getLogger(__name__)
 
@@ -42,30 +43,74 @@ assert set(_TORCH_DTYPES) == set(WIRE_DTYPES), "every wire dtype needs its torch
 
 def map_staged_tensors(
     path: str, tensors: Sequence[Sequence]
-) -> tuple[mmap.mmap, list[tuple[str, torch.Tensor]]]:
-    """Maps the staging file at `path`; returns the map and a (name, tensor view) per entry of
-    `tensors` ([name, wire dtype, shape, byte position], as the server sends them).
+) -> tuple[list[mmap.mmap], list[tuple[str, torch.Tensor]]]:
+    """Maps the regions of the staging file at `path` that hold `tensors` ([name, wire dtype,
+    shape, byte position], as the server sends them, each at a page-aligned position); returns
+    the maps and a (name, tensor view) per entry.
 
-    The views go through numpy because numpy holds the map's buffer while a view lives, so the
-    map cannot be closed under a tensor (torch.frombuffer does not). MAP_POPULATE maps every
-    page in one call instead of faulting them in one by one.
+    Tensors that lie one after the other (each at the first aligned position after the last)
+    share one map: a whole update is one map; a part of an update fed to a stage while the rest
+    is still arriving maps only its own regions. The views go through numpy because numpy holds
+    the map's buffer while a view lives, so a map cannot be closed under a tensor
+    (torch.frombuffer does not). MAP_POPULATE maps every page in one call instead of faulting
+    them in one by one.
     """
+    entries = sorted(
+        (position, name, wire_dtype, tuple(shape))
+        for name, wire_dtype, shape, position in tensors
+    )  # fmt: skip
+    runs: list[list] = []  # [start, end, entries]
+    for entry in entries:
+        position, _, wire_dtype, shape = entry
+        end = position + math.prod(shape) * WIRE_DTYPES[wire_dtype].itemsize
+        if runs and position <= aligned(runs[-1][1]):
+            runs[-1][1] = max(runs[-1][1], end)
+            runs[-1][2].append(entry)
+        else:
+            runs.append([position, end, [entry]])
+    maps, by_name = [], {}
     fd = os.open(path, os.O_RDWR)
     try:
-        mapped = mmap.mmap(
-            fd,
-            0,
-            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-        )
+        for start, end, members in runs:
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            mapped = None
+            if end > base:
+                mapped = mmap.mmap(
+                    fd,
+                    end - base,
+                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                    offset=base,
+                )
+                maps.append(mapped)
+            for position, name, wire_dtype, shape in members:
+                view_dtype = WIRE_DTYPES[wire_dtype].view
+                count = math.prod(shape)
+                array = (
+                    np.frombuffer(mapped, view_dtype, count, position - base)
+                    if count
+                    else np.empty(0, view_dtype)
+                )
+                tensor = torch.from_numpy(array).view(_TORCH_DTYPES[wire_dtype]).view(shape)
+                by_name[name] = tensor
     finally:
         os.close(fd)
-    views = []
-    for name, wire_dtype, shape, position in tensors:
-        view_dtype, torch_dtype = WIRE_DTYPES[wire_dtype].view, _TORCH_DTYPES[wire_dtype]
-        array = np.frombuffer(mapped, view_dtype, math.prod(shape), position)
-        views.append((name, torch.from_numpy(array).view(torch_dtype).view(tuple(shape))))
-    return mapped, views
+    return maps, [(name, by_name[name]) for name, *_ in tensors]
+
+
+def _closer(maps: list[mmap.mmap], views: list, what: str):
+    """A function that drops `views` and closes `maps` (once no view of them is left)."""
+
+    def close() -> None:
+        views.clear()
+        for mapped in maps:
+            try:
+                mapped.close()
+            except BufferError:
+                # Something still holds a view; the map goes when the last one is freed.
+                logger.warning("a view of the weight staging file outlived the %s", what)
+
+    return close
 
 
 GIB = 1 << 30
@@ -112,6 +157,7 @@ class WeightReloadExtension:
     """Mixed into the vLLM worker class; `self` is the worker."""
 
     _jaxrlhf_stage = None  # the staged update (staging.Stage), if any
+    _jaxrlhf_stage_id = 0  # the engine's number for it
 
     def jaxrlhf_reseed(self, seed: int) -> None:
         """Re-seeds the RNG the sampler draws from (requests carry no generator of their own)."""
@@ -120,21 +166,24 @@ class WeightReloadExtension:
     def jaxrlhf_reload_weights(self, path: str, tensors: list) -> int:
         """Reloads the staged tensors (see `map_staged_tensors`) in place; returns tied heads
         fixed."""
-        mapped, views = map_staged_tensors(path, tensors)
+        maps, views = map_staged_tensors(path, tensors)
         try:
             self.reload_weights(weights_iterator=views, is_checkpoint_format=True)
         finally:
-            del views
-            try:
-                mapped.close()
-            except BufferError:
-                # Something still holds a view; the map goes when the last one is freed.
-                logger.warning("a view of the weight staging file outlived the reload")
+            _closer(maps, views, "reload")()
         return refresh_tied_heads(self.model_runner.get_model())
 
     def jaxrlhf_stage_weights(self, path: str, tensors: list, threads: int = 1) -> str:
-        """Starts staging the update in `path` (see staging.py) in a thread and returns "";
+        """Starts staging the whole update in `path` (see staging.py) in a thread and returns "";
         or returns why this model cannot be staged (it is then reloaded in the pause)."""
+        reason = self.jaxrlhf_begin_stage([t[0] for t in tensors], threads)
+        if not reason:
+            self.jaxrlhf_feed_stage(path, tensors)
+        return reason
+
+    def jaxrlhf_begin_stage(self, expected: list, threads: int = 1, stage_id: int = 0) -> str:
+        """Starts staging an update of the tensors named `expected`, which `jaxrlhf_feed_stage`
+        hands in as they arrive; returns "" or why this model cannot be staged."""
         from generator_service.staging import Stage
 
         if self._jaxrlhf_stage is not None:
@@ -146,17 +195,19 @@ class WeightReloadExtension:
             return "compiled CPU models are reloaded in the pause"
         if not torch.cuda.is_available():
             keep_freed_memory(trim_bytes=2 * _model_bytes(self.model_runner.get_model()) + GIB)
-        mapped, views = map_staged_tensors(path, tensors)
-
-        def release() -> None:
-            views.clear()
-            try:
-                mapped.close()
-            except BufferError:
-                logger.warning("a view of the weight staging file outlived the stage")
-
-        self._jaxrlhf_stage = Stage(self.model_runner.get_model(), views, release, threads)
+        self._jaxrlhf_stage = Stage(self.model_runner.get_model(), expected, threads)
+        self._jaxrlhf_stage_id = stage_id
         return ""
+
+    def jaxrlhf_feed_stage(self, path: str, tensors: list, stage_id: int = 0) -> bool:
+        """Hands the stage begun as `stage_id` the `tensors` (see `map_staged_tensors`), whose
+        bytes are now all in `path`; False (and nothing mapped) if that stage is gone."""
+        stage = self._jaxrlhf_stage
+        if stage is None or self._jaxrlhf_stage_id != stage_id:
+            return False
+        maps, views = map_staged_tensors(path, tensors)
+        stage.feed(views, _closer(maps, views, "stage"))
+        return True
 
     def jaxrlhf_stage_status(self) -> dict:
         """{"state": "running" | "done" | "failed" | "unsupported" | "none", "error", "seconds",

@@ -185,6 +185,32 @@ def test_each_tensor_is_sliced_once_as_the_shards_lie(mesh_shape):
         assert count > len(whole)
 
 
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 2, 4)])
+def test_tensors_are_published_layer_by_layer(mesh_shape):
+    """The export order (`mapping.export_order`): the embedding, then each layer's tensors
+    together, layer after layer, then the rest; the same for whole tensors (cast or not), the
+    slices of a sharded model and the specs a shared file is laid out by. (The generator stages
+    a layer once all of its tensors have come.)"""
+    import re
+
+    from jaxrlhf.models import hf_tensor_specs, iter_hf_slices, iter_hf_tensors
+
+    mesh = make_mesh(mesh_shape, jax.devices()[: int(np.prod(mesh_shape))])
+    model, params = load_pretrained(sharding_model(), mesh=mesh)
+    names = [name for name, _ in iter_hf_tensors(model, params)]
+    assert [name for name, _ in iter_hf_tensors(model, params, "bfloat16")] == names
+    assert [name for name, _, _ in hf_tensor_specs(model, params, "bfloat16")] == names
+    sliced = [name for name, _ in iter_hf_slices(model, params)]
+    assert [n for i, n in enumerate(sliced) if i == 0 or sliced[i - 1] != n] == names
+    layers = [int(m.group(1)) if (m := re.search(r"\.layers\.(\d+)\.", n)) else None
+              for n in names]  # fmt: skip
+    inside = [layer for layer in layers if layer is not None]
+    assert inside == sorted(inside) and len(set(inside)) == model.config.num_layers > 1
+    first, last = layers.index(0), len(layers) - 1 - layers[::-1].index(inside[-1])
+    assert all(layer is not None for layer in layers[first : last + 1])
+    assert names[0] == "model.embed_tokens.weight" and "model.norm.weight" in names[last + 1 :]
+
+
 def test_a_shard_that_a_reshape_would_split_is_not_a_box():
     from jaxrlhf.models.mapping import KERNEL, KERNEL_FROM_HEADS, VECTOR
 

@@ -219,22 +219,23 @@ def iter_hf_tensors(
     """
     flat = mapping.flatten(params)
     np_dtype = numpy_dtype(dtype) if dtype else None
-    for rule in mapping.bound_rules(model.config, list(flat)):
+    rules = mapping.bound_rules(model.config, list(flat))
+    views: dict[str, np.ndarray] = {}  # a leaf on one CPU device, as it is: its buffer
+    for rule, layer, name in mapping.export_order(rules, model.config.num_layers):
         leaf = flat[rule.flax]
         cast = np_dtype is not None and leaf.dtype != np_dtype
-        whole = None
-        if _on_one_cpu(leaf):  # a view of the device buffer
-            whole = np.asarray(leaf.astype(np_dtype) if cast else leaf)
-        for i, name in enumerate(mapping.hf_names(rule, model.config.num_layers)):
-            if whole is not None:
-                host = whole[i] if rule.per_layer else whole
-            else:
-                part = leaf[i] if rule.per_layer else leaf
-                # on the devices: half the bytes to move for bf16
-                host = to_host(part.astype(np_dtype) if cast else part)
-                del part
-            yield name, rule.layout.to_hf(host)
-            del host
+        if _on_one_cpu(leaf) and not cast:
+            whole = views.get(rule.flax)
+            if whole is None:
+                whole = views[rule.flax] = np.asarray(leaf)
+            host = whole if layer is None else whole[layer]
+        elif layer is not None:
+            # this layer only, cast on the devices (half the bytes to move for bf16)
+            host = to_host(_layer_as(leaf, layer, np_dtype if cast else None))
+        else:
+            host = to_host(leaf.astype(np_dtype) if cast else leaf)
+        yield name, rule.layout.to_hf(host)
+        del host
 
 
 def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple, tuple]:
@@ -309,33 +310,38 @@ def iter_hf_slices(
     plan = slice_plan(model, params) if plan is None else plan
     flat = mapping.flatten(params)
     np_dtype = numpy_dtype(dtype) if dtype else None
-    for rule in mapping.bound_rules(model.config, list(flat)):
+    rules = mapping.bound_rules(model.config, list(flat))
+    for rule in rules:
+        if plan.owners[rule.flax] is None:
+            raise ValueError(
+                f"parameter {rule.flax}: its shards are not boxes of HF tensor(s) "
+                f"{mapping.hf_names(rule, model.config.num_layers)[0]}... (a reshape merges "
+                "dimensions they split); publish it gathered"
+            )
+    shards_of: dict[str, list] = {}  # each leaf's shards this process sends, in box order
+    for rule, i, name in mapping.export_order(rules, model.config.num_layers):
         leaf = flat[rule.flax]
         cast = np_dtype is not None and leaf.dtype != np_dtype
-        names = list(mapping.hf_names(rule, model.config.num_layers))
         owners = plan.owners[rule.flax]
-        if owners is None:
-            raise ValueError(
-                f"parameter {rule.flax}: its shards are not boxes of HF tensor(s) {names[0]}..."
-                " (a reshape merges dimensions they split); publish it gathered"
-            )
         layer_shape = tuple(leaf.shape[1:] if rule.per_layer else leaf.shape)
         hf_shape = rule.layout.hf_shape(layer_shape)
-        shards = [shard for shard in leaf.addressable_shards if shard.device in owners]
-        shards.sort(key=lambda shard: _box(shard.index, tuple(leaf.shape)))
-        for i, name in enumerate(names):
-            for shard in shards:
-                start, extent = _box(shard.index, tuple(leaf.shape))
-                if rule.per_layer:
-                    if not start[0] <= i < start[0] + extent[0]:
-                        continue
-                    layer, start, extent = i - start[0], start[1:], extent[1:]
-                else:
-                    layer = None
-                hf_start, _ = rule.layout.hf_box(start, extent, layer_shape)
-                host = _shard_on_host(shard.data, layer, np_dtype if cast else None)
-                yield name, TensorSlice(hf_shape, hf_start, rule.layout.to_hf(host))
-                del host
+        shards = shards_of.get(rule.flax)
+        if shards is None:
+            shards = [shard for shard in leaf.addressable_shards if shard.device in owners]
+            shards.sort(key=lambda shard: _box(shard.index, tuple(leaf.shape)))
+            shards_of[rule.flax] = shards
+        for shard in shards:
+            start, extent = _box(shard.index, tuple(leaf.shape))
+            if rule.per_layer:
+                if not start[0] <= i < start[0] + extent[0]:
+                    continue
+                layer, start, extent = i - start[0], start[1:], extent[1:]
+            else:
+                layer = None
+            hf_start, _ = rule.layout.hf_box(start, extent, layer_shape)
+            host = _shard_on_host(shard.data, layer, np_dtype if cast else None)
+            yield name, TensorSlice(hf_shape, hf_start, rule.layout.to_hf(host))
+            del host
 
 
 def _shard_on_host(data: jax.Array, layer: int | None, dtype) -> np.ndarray:
@@ -344,8 +350,24 @@ def _shard_on_host(data: jax.Array, layer: int | None, dtype) -> np.ndarray:
     if dtype is None and _on_one_cpu(data):
         whole = np.asarray(data)
         return whole if layer is None else whole[layer]
-    part = data if layer is None else data[layer]
-    return np.asarray(part.astype(dtype) if dtype is not None else part)
+    if layer is None:
+        return np.asarray(data.astype(dtype) if dtype is not None else data)
+    return np.asarray(_layer_as(data, layer, dtype))
+
+
+def _layer_as(array: jax.Array, layer: int, dtype) -> jax.Array:
+    """Layer `layer` of a stacked array, cast to `dtype` (None: as it is), in one program on
+    its devices: the cast reads the layer in place, no copy of the layer comes first."""
+    return _layer_program(None if dtype is None else np.dtype(dtype).name)(array, layer)
+
+
+@functools.cache
+def _layer_program(dtype: str | None):
+    def take(array, layer):
+        part = jax.lax.dynamic_index_in_dim(array, layer, keepdims=False)
+        return part if dtype is None else part.astype(dtype)
+
+    return jax.jit(take)
 
 
 def hf_tensor_specs(
@@ -356,9 +378,11 @@ def hf_tensor_specs(
     shapes = {path: tuple(leaf.shape) for path, leaf in flat.items()}
     dtypes = {path: np.dtype(leaf.dtype) for path, leaf in flat.items()}
     specs = []
-    for rule in mapping.bound_rules(model.config, list(shapes)):
-        for name, shape in mapping.hf_specs(model.config, {rule.flax: shapes[rule.flax]}):
-            specs.append((name, shape, numpy_dtype(dtype) if dtype else dtypes[rule.flax]))
+    rules = mapping.bound_rules(model.config, list(shapes))
+    for rule, _, name in mapping.export_order(rules, model.config.num_layers):
+        layer_shape = shapes[rule.flax][1:] if rule.per_layer else shapes[rule.flax]
+        shape = rule.layout.hf_shape(tuple(layer_shape))
+        specs.append((name, shape, numpy_dtype(dtype) if dtype else dtypes[rule.flax]))
     return specs
 
 

@@ -187,12 +187,31 @@ def hf_names(rule: Rule, num_layers: int) -> list[str]:
     return [rule.hf]
 
 
+def export_order(rules: list[Rule], num_layers: int) -> list[tuple[Rule, int | None, str]]:
+    """Every HF tensor of `rules` as (rule, layer index or None, HF name), in the order the
+    model is exported and published: layer by layer. First the tensors outside the layers whose
+    rules come before the layers' in the table (the embedding), then each layer's tensors in
+    table order, then the rest (the final norm, the head). A generator that converts an update
+    layer by layer as it arrives can start on a layer as soon as its last tensor has come,
+    which with a tensor-by-tensor order (every layer's q_proj, then every layer's k_proj...)
+    would be near the end of the update."""
+    before, layered, after = [], [], []
+    for rule in rules:
+        if rule.per_layer:
+            layered.append(rule)
+        else:
+            (after if layered else before).append(rule)
+    order: list[tuple[Rule, int | None, str]] = [(rule, None, rule.hf) for rule in before]
+    for i in range(num_layers):
+        order += [(rule, i, rule.hf.format(i=i)) for rule in layered]
+    return order + [(rule, None, rule.hf) for rule in after]
+
+
 def hf_specs(
     config: ModelConfig, flax_shapes: dict[str, tuple[int, ...]]
 ) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(HF name, HF shape) of every tensor the export writes, in export order."""
-    for rule in bound_rules(config, list(flax_shapes)):
+    """(HF name, HF shape) of every tensor the export writes, in export order (`export_order`)."""
+    for rule, _, name in export_order(bound_rules(config, list(flax_shapes)), config.num_layers):
         shape = flax_shapes[rule.flax]
         layer_shape = shape[1:] if rule.per_layer else shape
-        for name in hf_names(rule, config.num_layers):
-            yield name, rule.layout.hf_shape(tuple(layer_shape))
+        yield name, rule.layout.hf_shape(tuple(layer_shape))

@@ -51,6 +51,7 @@ class RecordingEngine:
             model="recording", swap_mode="drain", in_flight_kv="", stage=False
         )
         self.stage_unsupported = ""
+        self.stages = False  # (streams are not staged as they arrive)
         self.in_flight = self.swap_pending = False
         self.max_model_len, self.vocab_size, self.dtype, self.vllm_version = 0, 0, "", ""
         self.num_requests_running = self.num_calls_waiting = self.num_updates = 0
@@ -58,7 +59,8 @@ class RecordingEngine:
         self.max_num_seqs = 1
         self.occupancy = Occupancy(self.max_num_seqs)
 
-    async def swap_weights(self, staging_path, tensors, policy_version, allow_rollback=False):
+    async def swap_weights(self, staging_path, tensors, policy_version, allow_rollback=False,
+                           stage_id=0):  # fmt: skip
         if self.fail_swaps > 0:
             self.fail_swaps -= 1
             self.serving = False

@@ -10,6 +10,10 @@ probe below can read the live model between the worker's RPCs.
   reload of the same update (the non-staged path).
 - A stage that fails (a tensor of the wrong shape) is reported and leaves the live model as it
   was; the next stage works.
+- A stage fed as the update arrives (`jaxrlhf_begin_stage`, then `jaxrlhf_feed_stage` a few
+  tensors at a time, as the server does for a streamed update) loads each layer once all its
+  tensors have come, waits for the rest, takes them in any order, and commits the same weights;
+  a tensor the update was not to carry fails it.
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ def test_staging_is_invisible_until_the_commit(tiny_llama, tmp_path):
     assert report["after_bad"] == report["before_bad"]
     assert report["after_bad_greedy"] == report["reloaded_greedy"]
     assert report["next_state"] == "done"
+
+    # Fed as it arrives: nothing loaded while a layer misses a tensor, that layer loaded while
+    # the rest has not come, the rest in any order; then it commits as the whole update does.
+    assert report["before_a_layer"]["state"] == "running"
+    assert report["before_a_layer"].get("layers", 0) == 0
+    assert report["after_a_layer"]["state"] == "running"
+    assert report["after_a_layer"]["layers"] == 1
+    assert report["fed_state"] == "done"
+    assert report["fed_greedy"] == report["base_greedy"]
+    assert report["unexpected_state"] == "failed"
+    assert "unexpected" in report["unexpected_error"]
 
 
 # ---- the probe, run in its own process -------------------------------------------------------
@@ -162,6 +177,34 @@ def _probe(model_dir: str, folder: str) -> dict:
     report["after_bad_greedy"] = greedy()[0]
     assert rpc("jaxrlhf_stage_weights", path=base_path, tensors=base_manifest) == ""
     report["next_state"] = wait()["state"]
+    rpc("jaxrlhf_drop_staged")
+
+    # Staged as it arrives: begun knowing only the names, fed a few tensors at a time.
+    names = [entry[0] for entry in base_manifest]
+    layer = [entry for entry in base_manifest if entry[0].startswith("model.layers.0.")]
+    rest = [entry for entry in base_manifest if entry not in layer]
+    assert rpc("jaxrlhf_begin_stage", expected=names, stage_id=7) == ""
+    assert not rpc("jaxrlhf_feed_stage", path=base_path, tensors=layer, stage_id=6)  # not it
+    assert rpc("jaxrlhf_feed_stage", path=base_path, tensors=layer[:1], stage_id=7)
+    time.sleep(0.5)
+    report["before_a_layer"] = rpc("jaxrlhf_stage_status")
+    assert rpc("jaxrlhf_feed_stage", path=base_path, tensors=layer[1:], stage_id=7)
+    deadline = time.monotonic() + 60
+    while rpc("jaxrlhf_stage_status").get("layers", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    report["after_a_layer"] = rpc("jaxrlhf_stage_status")  # the rest not yet fed
+    for part in (rest[len(rest) // 2 :], rest[: len(rest) // 2]):  # in any order
+        assert rpc("jaxrlhf_feed_stage", path=base_path, tensors=part, stage_id=7)
+    report["fed_state"] = wait()["state"]
+    rpc("jaxrlhf_commit_staged")
+    rpc("jaxrlhf_drop_staged")
+    report["fed_greedy"] = greedy()[0]
+
+    # A tensor the update does not have fails the stage.
+    assert rpc("jaxrlhf_begin_stage", expected=names[1:], stage_id=8) == ""
+    assert rpc("jaxrlhf_feed_stage", path=base_path, tensors=base_manifest[:1], stage_id=8)
+    status = wait()
+    report["unexpected_state"], report["unexpected_error"] = status["state"], status["error"]
     rpc("jaxrlhf_drop_staged")
     return report
 

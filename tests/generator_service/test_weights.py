@@ -95,7 +95,7 @@ def test_chunks_in_any_order_are_staged_exactly_where_the_worker_maps_them(tmp_p
     assert [t.position % STAGING_ALIGNMENT for t in tensors] == [0, 0]
     assert os.path.getsize(staging.path) == tensors[-1].position + tensors[-1].nbytes
     manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
-    mapped, views = map_staged_tensors(staging.path, manifest)
+    (mapped,), views = map_staged_tensors(staging.path, manifest)  # one after the other: one map
     loaded = dict(views)
     assert loaded["model.norm.weight"].dtype == torch.float16
     np.testing.assert_array_equal(
@@ -318,11 +318,12 @@ def test_slices_from_several_senders_are_staged_as_the_whole_tensors(tmp_path):
     staging = StagingFile(str(tmp_path))
     tensors = stage(chunks, staging)
     manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
-    mapped, views = map_staged_tensors(staging.path, manifest)
+    maps, views = map_staged_tensors(staging.path, manifest)
     for name, view in views:
         np.testing.assert_array_equal(view.numpy(), values[name])
     del views, view
-    mapped.close()
+    for mapped in maps:
+        mapped.close()
     staging.close()
 
 

@@ -1,0 +1,134 @@
+"""Staging a streamed update as it arrives, on the server's side (generator_service/feeder.py; no
+engine): each tensor is handed to the stage once, only when every one of its bytes, from every
+sender, is in the staging file, and nothing is fed after a write failed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from generator_service.feeder import StageFeeder
+from generator_service.weights import StagingFile, TensorSpec, WeightAssembler
+
+SHAPES = {
+    "model.layers.0.mlp.up_proj.weight": (8, 4),
+    "model.layers.1.mlp.up_proj.weight": (8, 4),
+    "model.norm.weight": (4,),
+}
+SPECS = {name: TensorSpec(name, shape, "F32") for name, shape in SHAPES.items()}
+NAMES = list(SPECS)
+
+
+def values():
+    rng = np.random.default_rng(0)
+    return {n: rng.normal(size=s.shape).astype(np.float32) for n, s in SPECS.items()}
+
+
+def receive(chunks, staging, feed, write=None):
+    """Adds `chunks` (name, offset, bytes, slice start, slice shape, sender count) as the server
+    does, feeding a `StageFeeder`; returns whether everything was fed."""
+
+    async def run():
+        assembler = WeightAssembler(SPECS, 0)
+        feeder = StageFeeder(feed)
+        for name, offset, data, start, shape, senders in chunks:
+            pieces = assembler.add(1, len(SPECS), name, "float32", SPECS[name].shape, offset,
+                                   data, False, start, shape, senders)  # fmt: skip
+            written = await staging.write(pieces)
+            feeder.add(assembler.take_completed(), written)
+            await asyncio.sleep(0)
+        fed = await feeder.close()
+        await staging.settle()
+        return fed
+
+    return asyncio.run(run())
+
+
+def test_each_tensor_is_fed_once_when_all_its_bytes_are_in_the_file(tmp_path):
+    arrays = values()
+    staging = StagingFile(str(tmp_path), max_pending=1)
+    fed: list[list[str]] = []
+
+    async def feed(tensors):
+        for tensor in tensors:  # what the worker would map now is the whole tensor
+            with open(staging.path, "rb") as file:
+                file.seek(tensor.position)
+                read = np.frombuffer(file.read(tensor.nbytes), np.float32).reshape(tensor.shape)
+            np.testing.assert_array_equal(read, arrays[tensor.name])
+        fed.append([t.name for t in tensors])
+        await asyncio.sleep(0.01)  # an RPC: what completes meanwhile goes in the next batch
+
+    up0, up1, norm = (arrays[n].tobytes() for n in NAMES)
+    chunks = [
+        (NAMES[0], 0, up0[:64], (), (), 1),
+        (NAMES[1], 0, up1[:64], (), (), 1),
+        (NAMES[0], 64, up0[64:], (), (), 1),  # layer 0 complete
+        (NAMES[2], 0, norm, (), (), 1),  # the norm: one chunk
+        (NAMES[1], 64, up1[64:], (), (), 1),
+    ]
+    assert receive(chunks, staging, feed)
+    order = [name for batch in fed for name in batch]
+    assert order == [NAMES[0], NAMES[2], NAMES[1]]  # as each completed, each once
+    staging.close()
+
+
+def test_a_tensor_sliced_between_senders_is_fed_once_after_its_last_slice(tmp_path):
+    arrays = values()
+    staging = StagingFile(str(tmp_path))
+    fed: list[str] = []
+
+    async def feed(tensors):
+        fed.extend(t.name for t in tensors)
+
+    name = NAMES[0]
+    top, bottom = arrays[name][:5].tobytes(), arrays[name][5:].tobytes()
+    chunks = [
+        (name, 0, top, (0, 0), (5, 4), 2),
+        (NAMES[1], 0, arrays[NAMES[1]].tobytes(), (), (), 2),
+        (NAMES[2], 0, arrays[NAMES[2]].tobytes(), (), (), 2),
+    ]
+    assert receive(chunks, staging, feed)
+    assert fed == [NAMES[1], NAMES[2]]  # the first is still missing rows 5-7
+    fed.clear()
+    assert receive([*chunks, (name, 0, bottom, (5, 0), (3, 4), 2)], staging, feed)
+    assert fed == [NAMES[1], NAMES[2], name]
+    staging.close()
+
+
+def test_nothing_is_fed_after_a_write_failed_or_a_feed_failed(tmp_path):
+    arrays = values()
+    staging = StagingFile(str(tmp_path), max_pending=8)
+    chunks = [(n, 0, arrays[n].tobytes(), (), (), 1) for n in NAMES]
+    fed: list[str] = []
+
+    async def feed(tensors):
+        fed.extend(t.name for t in tensors)
+
+    writes = 0
+    real_write = staging._write
+
+    def failing_write(pieces):
+        nonlocal writes
+        writes += 1
+        if writes == 2:
+            raise OSError(28, "No space left on device")
+        real_write(pieces)
+
+    staging._write = failing_write
+    assert not receive(chunks, staging, feed)
+    assert fed in ([], [NAMES[0]])  # never what was written after the failed write
+
+    staging._write = real_write
+    fed.clear()
+
+    calls = 0
+
+    async def broken(tensors):
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("the engine died")
+
+    assert not receive(chunks, staging, broken)
+    assert calls == 1  # no batch after the failed one
+    staging.close()
