@@ -20,7 +20,12 @@ is the conversion alone (iterating `iter_hf_tensors` and making each tensor cont
 one copy every consumer makes); `{transport}_pause_s` is the part of the update during which the
 service paused generation (reload, tied-head repack, prefix-cache reset), `{transport}_stage_s`
 the part before it, while generation could go on (receiving and checking the update), and
-`{transport}_pause_over_in_process` the pause ÷ the in-process reload.
+`{transport}_pause_over_in_process` the pause ÷ the in-process reload. `{transport}_cpu_s` is the
+CPU time one update takes, all threads of the learner's side (this process) and of the service's
+processes together; ÷ the `cores` this process may run on, it is the least wall time the update
+could take on them however well its parts overlapped, and `{transport}_cpu_floor_over_in_process`
+that floor ÷ the in-process reload (when it is over 1.5, end to end <= 1.5 cannot be met on
+these cores).
 
 Two services per dtype, one after the other: `stage: true` stages each update (converts it into
 the engine's layout in a thread of the worker while generation could go on, then pauses only to
@@ -106,6 +111,10 @@ def main() -> None:
         help="a running service of --model in the one dtype of --dtypes, instead of starting "
              "one (the versions sent follow the one it serves)",
     )  # fmt: skip
+    parser.add_argument(
+        "--service-pid", type=int, default=0,
+        help="with --address: the service's process, for the CPU time of its side",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.address and "," in args.dtypes:
         parser.error("--address serves one dtype: give one in --dtypes")
@@ -157,6 +166,8 @@ def measure_service(args, model, params, model_dir, dtype, specs, mode) -> dict:
     times: dict[str, list[float]] = {t: [] for t in pools}
     pauses: dict[str, list[float]] = {t: [] for t in pools}
     stages: dict[str, list[float]] = {t: [] for t in pools}
+    cpus: dict[str, list[float]] = {t: [] for t in pools}
+    service = server.process.pid if server is not None else (args.service_pid or None)
     try:
         (status,) = pools["stream"].wait_until_serving()
         if status.dtype != dtype or Path(status.model).resolve() != model_dir.resolve():
@@ -167,29 +178,53 @@ def measure_service(args, model, params, model_dir, dtype, specs, mode) -> dict:
         for repeat in range(args.warmup + args.repeats):
             for transport, pool in pools.items():
                 version += 1
+                cpu = cpu_seconds(service)
                 stats = pool.publish_weights(
                     lambda d=dtype: iter_hf_tensors(model, params, d), len(specs), version,
                     specs=specs,
                 )  # fmt: skip
+                cpu = cpu_seconds(service) - cpu
                 if repeat < args.warmup:
                     continue
                 times[transport].append(stats.seconds)
                 pauses[transport].append(stats.pause_seconds)
                 stages[transport].append(stats.stage_seconds)
+                if service is not None:  # (a service not started here: its CPU is unknown)
+                    cpus[transport].append(cpu)
     finally:
         for pool in pools.values():
             pool.close()
         if server is not None:
             server.terminate()
-    return {"stage": staged, "times": times, "pauses": pauses, "stages": stages}
+    return {"stage": staged, "times": times, "pauses": pauses, "stages": stages, "cpus": cpus}
+
+
+def cpu_seconds(service_pid: int | None) -> float:
+    """CPU seconds so far of this process (the learner's side: converting, writing, sending)
+    and of the service's processes (its server, engine and worker), all threads."""
+    import psutil
+
+    total = time.process_time()
+    if service_pid is not None:
+        root = psutil.Process(service_pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+    return total
 
 
 def summarize(measured: dict, reload_times: list[float], num_bytes: int) -> dict:
     """One JSON row: the medians and ratios described in the module docstring."""
     reload_s = statistics.median(reload_times)
-    times, pauses, stages = (measured.pop(k) for k in ("times", "pauses", "stages"))
+    times, pauses, stages, cpus = (
+        measured.pop(k) for k in ("times", "pauses", "stages", "cpus")
+    )  # fmt: skip
+    cores = len(os.sched_getaffinity(0))
     row = {**measured, "in_process_reload_s": round(reload_s, 3),
-           "in_process_reload_min_s": round(min(reload_times), 3)}  # fmt: skip
+           "in_process_reload_min_s": round(min(reload_times), 3), "cores": cores}  # fmt: skip
     for transport, seconds in times.items():
         median = statistics.median(seconds)
         row[f"{transport}_s"] = round(median, 3)
@@ -198,6 +233,10 @@ def summarize(measured: dict, reload_times: list[float], num_bytes: int) -> dict
         row[f"{transport}_ratio_over_in_process"] = round(median / reload_s, 2)
         row[f"{transport}_pause_s"] = round(statistics.median(pauses[transport]), 3)
         row[f"{transport}_stage_s"] = round(statistics.median(stages[transport]), 3)
+        if cpus[transport]:
+            cpu = statistics.median(cpus[transport])
+            row[f"{transport}_cpu_s"] = round(cpu, 3)
+            row[f"{transport}_cpu_floor_over_in_process"] = round(cpu / cores / reload_s, 2)
         row[f"{transport}_pause_over_in_process"] = round(
             statistics.median(pauses[transport]) / reload_s, 3
         )

@@ -26,7 +26,12 @@ from grpc_reflection.v1alpha import reflection
 
 from generator_service import failpoints
 from generator_service.auth import TokenAuthInterceptor
-from generator_service.engine import EngineConfig, GeneratorEngine, SwapTimes
+from generator_service.engine import (
+    EngineConfig,
+    GeneratorEngine,
+    SwapTimes,
+    finish_despite_cancellation,
+)
 from generator_service.feeder import StageFeeder
 from generator_service.memory import keep_freed_memory
 from generator_service.requests import GenerateError, Sampling
@@ -35,6 +40,7 @@ from generator_service.weights import (
     StagingFile,
     WeightAssembler,
     WeightUpdateError,
+    check_progress_page,
     check_shared_layout,
     minimum_update_bytes,
     shared_file_path,
@@ -42,10 +48,15 @@ from generator_service.weights import (
 )
 from jaxrlhf_wire import ADMITTED_VERSION_HEADER, READY_LINE
 from jaxrlhf_wire.chunks import CHANNEL_OPTIONS, MalformedChunkError, decode_weight_chunk
+from jaxrlhf_wire.files import PROGRESS_ABANDONED
 from jaxrlhf_wire.hosts import is_local_peer
 from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2, generator_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+# How often a progressive shared update's count is read: from 1 ms, doubling to 20 ms while
+# it stands still.
+PROGRESS_POLL_SECONDS = (0.001, 0.02)
 
 
 @dataclass(frozen=True)
@@ -282,7 +293,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self, request: generator_pb2.SharedWeights, context
     ) -> generator_pb2.UpdateWeightsResponse:
         """Swaps in an update the learner wrote into a file of the shared folder: no bytes are
-        received or staged, the engine maps the learner's file directly."""
+        received, the engine maps the learner's file directly. A `progressive` update is staged
+        as the learner writes it (`_follow`)."""
         specs = self._engine.weight_specs
         if specs is None:
             await context.abort(
@@ -296,6 +308,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             )
         async with self._update_lock:
             started = time.monotonic()
+            stage_id = 0
             try:
                 path = shared_file_path(request.path, self._engine.staging_dir)
                 tensors = check_shared_layout(
@@ -306,11 +319,18 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     shared_file_size(path),
                     request.allow_rollback,
                 )
+                if request.progressive:
+                    check_progress_page(tensors)
+                    if self._engine.stages:
+                        stage_id = await self._engine.begin_stage([t.name for t in tensors])
+                    await self._follow(path, tensors, stage_id, request.policy_version)
                 checked_seconds = time.monotonic() - started
                 failpoints.hit("update_weights")  # (chaos tests only)
+                handed, stage_id = stage_id, 0  # the swap drops it from here on
                 swap = await self._engine.swap_weights(
-                    path, tensors, request.policy_version, request.allow_rollback
-                )
+                    path, tensors, request.policy_version, request.allow_rollback,
+                    stage_id=handed,
+                )  # fmt: skip
                 self.last_swap = swap = dataclasses.replace(
                     swap, stage_seconds=checked_seconds + swap.stage_seconds
                 )
@@ -318,16 +338,21 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 logger.warning("shared weight update refused: %s", error.message)
                 await context.abort(error.code, error.message)
             finally:
+                if stage_id:  # begun, and the update ended before its swap
+                    await finish_despite_cancellation(
+                        asyncio.ensure_future(self._engine.drop_stage())
+                    )
                 await self._publish_health()
         seconds = time.monotonic() - started
         num_bytes = sum(tensor.nbytes for tensor in tensors)
         logger.info(
-            "policy_version %d live: %d tensors, %d bytes from shared file %s, %.2fs "
+            "policy_version %d live: %d tensors, %d bytes from shared file %s%s, %.2fs "
             "(staged by %.2fs, paused %.2fs)",
             request.policy_version,
             len(tensors),
             num_bytes,
             path,
+            " (staged as written)" if request.progressive else "",
             seconds,
             swap.stage_seconds,
             swap.pause_seconds,
@@ -341,6 +366,46 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             stage_seconds=swap.stage_seconds,
             stage_tokens=swap.stage_tokens,
         )
+
+    async def _follow(self, path: str, tensors: list, stage_id: int, version: int) -> None:
+        """Until the learner has written every tensor of a progressive shared update (its count
+        in the file's first 8 bytes: `SharedWeights.progressive`), handing each written tensor
+        to stage `stage_id` (0: none). Raises WeightUpdateError if the writer gives up, the
+        count goes wrong, or it stands still for `senders_timeout` seconds."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fed, moved, poll = 0, time.monotonic(), PROGRESS_POLL_SECONDS[0]
+            while fed < len(tensors):
+                count = int.from_bytes(os.pread(fd, 8, 0), "little")
+                if count == PROGRESS_ABANDONED:
+                    raise WeightUpdateError(
+                        grpc.StatusCode.ABORTED,
+                        f"the learner gave up writing policy_version {version} into the shared "
+                        f"file after {fed} of {len(tensors)} tensors; the served weights are "
+                        "unchanged",
+                    )
+                if not fed <= count <= len(tensors):
+                    raise WeightUpdateError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the shared file's count of written tensors is {count}, after "
+                        f"{fed}, of {len(tensors)}: a count only grows, up to the tensors listed",
+                    )
+                if count > fed:
+                    if stage_id:
+                        await self._engine.feed_stage(stage_id, path, tensors[fed:count])
+                    fed, moved, poll = count, time.monotonic(), PROGRESS_POLL_SECONDS[0]
+                elif time.monotonic() - moved > self._updates.join_timeout:
+                    raise WeightUpdateError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"the shared file of policy_version {version} gained no tensor for "
+                        f"{self._updates.join_timeout:g} s ({fed} of {len(tensors)} written); "
+                        "the update is refused and the served weights are unchanged",
+                    )
+                else:
+                    await asyncio.sleep(poll)
+                    poll = min(2 * poll, PROGRESS_POLL_SECONDS[1])
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Deletes the staging file; call once the server has stopped."""
@@ -376,8 +441,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             pause_seconds=self.last_swap.pause_seconds,
             stage_tokens=self.last_swap.stage_tokens,
             staged_swaps=engine.config.stage and not engine.stage_unsupported,
-            staged_swaps_off=engine.stage_unsupported
-            or ("" if engine.config.stage else "started with --no-stage"),
+            staged_swaps_off=engine.stage_unsupported,
+            shared_progress=True or ("" if engine.config.stage else "started with --no-stage"),
         )
 
     async def _publish_health(self) -> None:

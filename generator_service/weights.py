@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 
 from jaxrlhf_wire.dtypes import SAFETENSORS_TO_WIRE, WIRE_DTYPES, tensor_nbytes
-from jaxrlhf_wire.files import ALIGNMENT, aligned, remove_stale_files
+from jaxrlhf_wire.files import ALIGNMENT, PROGRESS_BYTES, aligned, remove_stale_files
 
 # Every tensor's region starts on a page boundary: aligned views when the engine maps the file.
 STAGING_ALIGNMENT = ALIGNMENT  # the learner's shared files use the same
@@ -510,6 +510,16 @@ def check_shared_layout(
                 "duplicated data"
             )
     return staged
+
+
+def check_progress_page(tensors: list[StagedTensor]) -> None:
+    """A progressive shared update keeps the file's first `PROGRESS_BYTES` for its count."""
+    for tensor in tensors:
+        if tensor.position < PROGRESS_BYTES and tensor.nbytes:
+            raise _invalid(
+                f"tensor {tensor.name} lies at byte {tensor.position} of a progressive shared "
+                f"update, whose first {PROGRESS_BYTES} bytes hold the count of tensors written"
+            )
 
 
 def minimum_update_bytes(specs: dict[str, TensorSpec]) -> int:

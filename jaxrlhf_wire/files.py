@@ -11,6 +11,11 @@ import os
 from pathlib import Path
 
 ALIGNMENT = 4096
+# A shared weight file written while the server stages it (SharedWeights.progressive) counts
+# its written tensors in its first bytes, as a little-endian uint64; this count means the
+# writer gave up.
+PROGRESS_BYTES = 8
+PROGRESS_ABANDONED = (1 << 64) - 1
 
 
 def aligned(position: int) -> int:

@@ -90,14 +90,15 @@ def test_generate_overhead(tiny_llama, generator_address):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_weight_sync(tiny_llama, generator_address):
+def test_weight_sync(tiny_llama, generator_server):
     # The suite's running service (the learner runs that share it publish their own weights
     # first); only the in-process engine starts here.
     (row,) = run_bench(
         [
             sys.executable, "bench/weight_sync.py", "--model", str(tiny_llama),
             "--dtypes", "float32", "--repeats", "1", "--warmup", "1",
-            "--address", generator_address,
+            "--address", generator_server.address,
+            "--service-pid", str(generator_server.process.pid),
         ],
         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
     )  # fmt: skip
@@ -111,6 +112,10 @@ def test_weight_sync(tiny_llama, generator_address):
         assert 0 <= row[f"{transport}_stage_s"] <= row[f"{transport}_s"]
         assert row[f"{transport}_pause_over_in_process"] > 0
     assert row["stream_stage_s"] > 0  # the bytes arrive before the pause
+    assert row["cores"] >= 1
+    for transport in ("stream", "shared"):  # both sides' CPU time: at least the pause's
+        assert row[f"{transport}_cpu_s"] > 0
+        assert row[f"{transport}_cpu_floor_over_in_process"] > 0
 
 
 @pytest.mark.slow

@@ -548,8 +548,12 @@ class GeneratorPool:
             if decided:
                 self._transport = transport
             return transport
-        folder = self.replicas[0].client.status(timeout=self.timeouts.status).shared_weights_dir
-        self._transport = SharedFileTransport(folder, specs)
+        statuses = [r.client.status(timeout=self.timeouts.status) for r in self.replicas]
+        # Written while the replicas stage it, when every one of them takes that.
+        progressive = all(status.shared_progress for status in statuses)
+        self._transport = SharedFileTransport(
+            statuses[0].shared_weights_dir, specs, progressive=progressive
+        )
         return self._transport
 
     def _shared_unavailable(self) -> tuple[str, bool]:

@@ -13,6 +13,13 @@ as with streaming, not more.
 
 The file must not change while a replica loads it: `GeneratorPool.publish_weights` writes the
 next update only after every replica answered the last one.
+
+Written as it is staged (`SharedWeights.progressive`, for servers whose status says
+`shared_progress`): the request goes out first (`begin_progress`, then `request(...,
+progressive=True)`), and `write(..., progress=True)` counts the tensors written so far in the
+file's first bytes (`PROGRESS_BYTES`; no tensor lies in the first page), so that each server
+stages the layers already written while the learner writes the next. A write that fails marks
+the file abandoned (`PROGRESS_ABANDONED`) and the servers refuse the update.
 """
 
 from __future__ import annotations
@@ -29,7 +36,13 @@ import numpy as np
 
 # ALIGNMENT and remove_stale_files live in jaxrlhf_wire (the service's staging file uses them too).
 from jaxrlhf_wire.dtypes import WEIGHT_DTYPES, wire_dtype_name
-from jaxrlhf_wire.files import ALIGNMENT, aligned, remove_stale_files  # noqa: F401
+from jaxrlhf_wire.files import (  # noqa: F401
+    ALIGNMENT,
+    PROGRESS_ABANDONED,
+    PROGRESS_BYTES,
+    aligned,
+    remove_stale_files,
+)
 from jaxrlhf_wire.stubs import generator_pb2
 
 PREFIX = "jaxrlhf-shared-"
@@ -55,14 +68,44 @@ class SharedWeightsFile:
             raise
         os.close(fd)
 
-    def write(self, tensors: Iterable[tuple[str, Any]]) -> int:
+    def begin_progress(self) -> None:
+        """Counts no tensor written yet (before a progressive request is sent: a count left by
+        the last version would say its tensors are this one's)."""
+        self._count(0)
+
+    def _count(self, count: int, fd: int | None = None) -> None:
+        # A write through the file, not a store into the map: the syscall orders it after the
+        # tensor's bytes on any CPU, and a reader (pread) sees both.
+        own = fd is None
+        fd = os.open(self.path, os.O_WRONLY) if own else fd
+        try:
+            os.pwrite(fd, count.to_bytes(PROGRESS_BYTES, "little"), 0)
+        finally:
+            if own:
+                os.close(fd)
+
+    def write(self, tensors: Iterable[tuple[str, Any]], progress: bool = False) -> int:
         """Copies each (name, array) into its region, casting to the laid-out dtype (the arrays
         may be strided views, e.g. transposed kernels: they are copied once, in place). The
-        tensors must come in the order of `specs`. Returns the bytes written."""
+        tensors must come in the order of `specs`. Returns the bytes written. `progress`:
+        count each tensor written in the file (module docstring); a failure marks it
+        abandoned."""
+        if not progress:
+            return self._write(tensors, None)
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            return self._write(tensors, lambda done: self._count(done, fd))
+        except BaseException:
+            self._count(PROGRESS_ABANDONED, fd)
+            raise
+        finally:
+            os.close(fd)
+
+    def _write(self, tensors, count) -> int:
         if self._map is None:
             raise ValueError("the shared weight file is closed")
         expected = iter(zip(self.specs, self.positions, strict=True))
-        written = 0
+        written = done = 0
         for name, array in tensors:
             try:
                 (want, shape, dtype), position = next(expected)
@@ -77,6 +120,9 @@ class SharedWeightsFile:
             region = np.ndarray(shape, dtype, self._map, position)
             np.copyto(region, array, casting="unsafe")
             written += region.nbytes
+            done += 1
+            if count is not None:
+                count(done)
         missing = [spec[0] for spec, _ in expected]
         if missing:
             raise ValueError(f"{len(missing)} tensors were not written, e.g. {missing[0]}")
@@ -101,7 +147,7 @@ class SharedWeightsFile:
         """`specs`, each tensor's page-aligned position in the file, and the file's size."""
         self.specs = [(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in specs]
         self.positions: list[int] = []
-        size = 0
+        size = ALIGNMENT  # the first page: the count of a progressive write
         for name, shape, dtype in self.specs:
             if wire_dtype_name(dtype) is None:
                 raise ValueError(f"tensor {name} has dtype {dtype}; one of {WEIGHT_DTYPES}")
@@ -133,12 +179,15 @@ class SharedWeightsFile:
             written += data.size * dtype.itemsize
         return written
 
-    def request(self, policy_version: int, allow_rollback: bool = False):
-        """The UpdateWeightsShared request that points a server at this file."""
+    def request(self, policy_version: int, allow_rollback: bool = False,
+                progressive: bool = False):  # fmt: skip
+        """The UpdateWeightsShared request that points a server at this file (`progressive`:
+        sent before the file is written, see the module docstring)."""
         return generator_pb2.SharedWeights(
             policy_version=policy_version,
             path=self.path,
             allow_rollback=allow_rollback,
+            progressive=progressive,
             tensors=[
                 generator_pb2.SharedTensor(
                     name=name, dtype=str(dtype), shape=shape, position=position

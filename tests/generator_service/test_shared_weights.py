@@ -5,6 +5,7 @@ bad ones with nothing changed."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import grpc
@@ -281,3 +282,97 @@ def test_pool_picks_the_shared_file_for_a_local_server_and_streams_when_told(
         tokens, versions = greedy(client)
         assert versions == {version}
         assert tokens == [reference.greedy(new, prompt, 12) for prompt in served.initial_prompts]
+
+
+# --- written while the server stages it (SharedWeights.progressive) ---------------------------
+
+
+def test_a_progressive_update_keeps_the_first_bytes_for_its_count():
+    from generator_service.weights import check_progress_page
+
+    tensors = check_shared_layout(SPECS, 0, 1, layout(), 2 * STAGING_ALIGNMENT)
+    with pytest.raises(WeightUpdateError, match="hold the count of tensors written") as caught:
+        check_progress_page(tensors)  # the embedding lies at byte 0
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    moved = layout(**{EMBED: ["float32", (6, 4), 2 * STAGING_ALIGNMENT]})
+    check_progress_page(check_shared_layout(SPECS, 0, 1, moved, 3 * STAGING_ALIGNMENT))
+
+
+def _written_slowly(tensors: dict, pause_after: int, pause: float, fail: bool = False):
+    """The tensors, with `pause` seconds after the first `pause_after` (then, if `fail`, an
+    error instead of the rest)."""
+    for index, item in enumerate(tensors.items()):
+        if index == pause_after:
+            time.sleep(pause)
+            if fail:
+                raise RuntimeError("the learner's conversion failed")
+        yield item
+
+
+def _progressive(client, tensors, version, write):
+    """Sends a progressive request for a new shared file, then `write(file)`; returns (the
+    call's response or error, the status read 0.6 s after the request)."""
+    import concurrent.futures
+
+    from jaxrlhf.rpc.shared import SharedWeightsFile
+
+    folder = client.status().shared_weights_dir
+    specs = [(n, v.shape, v.dtype) for n, v in tensors.items()]
+    with SharedWeightsFile(folder, specs) as shared, \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:  # fmt: skip
+        shared.begin_progress()
+        call = pool.submit(client.update_weights_shared, shared.request(version, progressive=True))
+        mid = pool.submit(lambda: (time.sleep(0.6), client.status())[1])
+        try:
+            write(shared)
+        except RuntimeError:
+            pass
+        try:
+            return call.result(timeout=120), mid.result()
+        except grpc.RpcError as error:
+            return error, mid.result()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_progressive_shared_update_swaps_only_once_written(client, served, reference):
+    """Sent before a word is written: the server stages what is written and waits for the rest
+    (a pause of 1.5 s half-way), swaps the whole update, and generates from it."""
+    from tests.generator_service.test_update_weights import greedy, perturbed
+
+    new = perturbed(served.tensors, seed=15)
+    version = served.policy_version + 1
+    slowly = _written_slowly(new, len(new) // 2, 1.5)
+    response, mid = _progressive(client, new, version, lambda f: f.write(slowly, progress=True))
+    assert not isinstance(response, grpc.RpcError), response.details()
+    served.record(version, new)
+    assert mid.policy_version == version - 1  # half written: the old weights still served
+    assert response.policy_version == version and response.num_tensors == len(new)
+    assert response.seconds >= 1.5
+    tokens, versions = greedy(client)
+    assert versions == {version}
+    assert tokens == [reference.greedy(new, prompt, 12) for prompt in served.initial_prompts]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_progressive_write_that_fails_or_stalls_changes_nothing(client, served):
+    from tests.generator_service.conftest import SENDERS_TIMEOUT_S
+    from tests.generator_service.test_update_weights import greedy, perturbed
+
+    before = greedy(client)
+    version = client.status().policy_version
+    new = perturbed(served.tensors, seed=16)
+    failing = _written_slowly(new, len(new) // 2, 0.2, fail=True)
+    failed, _ = _progressive(client, new, version + 1, lambda f: f.write(failing, progress=True))
+    assert failed.code() == grpc.StatusCode.ABORTED and "gave up" in failed.details()
+    started = time.monotonic()
+    stalled, _ = _progressive(client, new, version + 1, lambda f: f._count(3))  # then nothing
+    assert stalled.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "gained no tensor for 5 s (3 of" in stalled.details()
+    assert time.monotonic() - started >= SENDERS_TIMEOUT_S
+    wrong, _ = _progressive(client, new, version + 1, lambda f: f._count(len(new) + 1))
+    assert wrong.code() == grpc.StatusCode.INVALID_ARGUMENT and "only grows" in wrong.details()
+    status = client.status()
+    assert status.policy_version == version and status.serving
+    assert greedy(client) == before

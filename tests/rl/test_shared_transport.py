@@ -63,7 +63,8 @@ class StubEngine:
         self.serving = True
         self.swapped: list[tuple[int, dict[str, np.ndarray]]] = []
 
-    async def swap_weights(self, path, staged, policy_version, allow_rollback=False) -> SwapTimes:
+    async def swap_weights(self, path, staged, policy_version, allow_rollback=False,
+                           stage_id=0) -> SwapTimes:  # fmt: skip
         read = {
             t.name: np.fromfile(path, np.float32, int(np.prod(t.shape)), offset=t.position)
             .reshape(t.shape)

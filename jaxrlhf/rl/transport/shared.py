@@ -5,6 +5,11 @@ folder the replicas map from (`GeneratorStatus.shared_weights_dir`, normally /de
 replica is sent only where the tensors lie: no weight byte crosses a socket. The file holds one
 version: a later attempt for the same version (a retry, a replica rejoining) is sent the same
 file without converting anything again.
+
+`progressive` (every replica's status says `shared_progress`): a new version's request goes out
+before the file is written, and the file counts the tensors written as they are
+(`SharedWeightsFile.write(..., progress=True)`), so that the replicas stage the layers already
+written while the learner converts and writes the next.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ class SharedFileTransport(WeightTransport):
 
     name = "shared"
 
-    def __init__(self, directory: str, specs: Sequence[tuple[str, tuple[int, ...], Any]]) -> None:
+    def __init__(self, directory: str, specs: Sequence[tuple[str, tuple[int, ...], Any]],
+                 progressive: bool = False) -> None:  # fmt: skip
         self.directory = directory
+        self.progressive = progressive
         self.specs = [(n, tuple(shape), np.dtype(dtype)) for n, shape, dtype in specs]
         self._file: SharedWeightsFile | None = None
         self._version: int | None = None  # the version the file holds
@@ -46,23 +53,51 @@ class SharedFileTransport(WeightTransport):
             if self._file is None:
                 self._file = SharedWeightsFile(self.directory, self.specs)
             self._version = None  # being rewritten: it holds no whole version meanwhile
+            if write is None and self.progressive:
+                return self._send_while_writing(
+                    clients, tensor_stream, policy_version, allow_rollback, timeout
+                )
             if write is None:
                 self._file.write(tensor_stream())
             else:
                 write(self._file)
             self._version = policy_version
         request = self._file.request(policy_version, allow_rollback)
-        # A thread per replica for this attempt: every replica swaps at once, however many.
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, len(clients)), thread_name_prefix="weight-call"
-        ) as calls:
+        with _calls(clients) as calls:
             futures = {
                 client: calls.submit(client.update_weights_shared, request, timeout)
                 for client in clients
             }
             return collect(futures)
 
+    def _send_while_writing(self, clients, tensor_stream, policy_version, allow_rollback,
+                            timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
+        """The request first, then the file written tensor by tensor, counted (module
+        docstring). A write that fails leaves the file abandoned: the replicas refuse it, and
+        the error is raised once they have answered."""
+        self._file.begin_progress()
+        request = self._file.request(policy_version, allow_rollback, progressive=True)
+        with _calls(clients) as calls:
+            futures = {
+                client: calls.submit(client.update_weights_shared, request, timeout)
+                for client in clients
+            }
+            try:
+                self._file.write(tensor_stream(), progress=True)
+            except BaseException:
+                concurrent.futures.wait(futures.values())
+                raise
+            self._version = policy_version
+            return collect(futures)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _calls(clients) -> concurrent.futures.ThreadPoolExecutor:
+    """A thread per replica for one attempt: every replica swaps at once, however many."""
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=max(1, len(clients)), thread_name_prefix="weight-call"
+    )
