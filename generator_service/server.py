@@ -252,12 +252,16 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         assembler, staging = update.assembler, update.staging
         tensors = assembler.finish()
         await staging.flush(assembler.staged_bytes)
-        stage_id, feeder, update.feeder = update.stage_id, update.feeder, None
-        if feeder is not None and not await feeder.close():
-            await self._engine.drop_stage()
-            stage_id = 0  # staged from scratch below
         received_seconds = time.monotonic() - update.started
         failpoints.hit("update_weights")  # (chaos tests only)
+        stage_id = 0
+        if update.feeder is not None:  # the stage goes to the swap, which drops it after
+            fed = await update.feeder.close()
+            update.feeder = None
+            if fed:
+                stage_id = update.stage_id
+            else:
+                await self._engine.drop_stage()  # staged from scratch by the swap
         swap = await self._engine.swap_weights(
             staging.path, tensors, assembler.policy_version, assembler.allow_rollback,
             stage_id=stage_id,
