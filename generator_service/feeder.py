@@ -22,7 +22,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from generator_service.weights import StagedTensor
+from generator_service.weights import StagedTensor, StagingFile, WeightAssembler
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +76,19 @@ class StageFeeder:
                 self.num_fed += len(batch)
             if self._closing:
                 return
+
+
+async def write_and_feed(
+    assembler: WeightAssembler,
+    staging: StagingFile,
+    pieces: list,
+    feeder: StageFeeder | None,
+) -> None:
+    """Writes the pieces of the chunk just added to `assembler` and hands `feeder` the tensors
+    that chunk completed, to be fed once its own write is done. They are taken before the write
+    can yield to another sender's stream: taken after, they could include a tensor that
+    stream's next chunk completed, whose write is queued behind this one."""
+    completed = assembler.take_completed()
+    written = await staging.write(pieces)
+    if feeder is not None:
+        feeder.add(completed, written)

@@ -32,7 +32,7 @@ from generator_service.engine import (
     SwapTimes,
     finish_despite_cancellation,
 )
-from generator_service.feeder import StageFeeder
+from generator_service.feeder import StageFeeder, write_and_feed
 from generator_service.memory import keep_freed_memory
 from generator_service.requests import GenerateError, Sampling
 from generator_service.updates import Update, UpdateJoiner
@@ -180,9 +180,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     header.slice_shape,
                     header.num_senders,
                 )
-                written = await update.staging.write(pieces)
-                if update.feeder is not None:
-                    update.feeder.add(update.assembler.take_completed(), written)
+                await write_and_feed(update.assembler, update.staging, pieces, update.feeder)
                 chunk = await anext(chunks, None)
             update.finished.add(sender)
             if not update.all_finished:
@@ -445,8 +443,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             pause_seconds=self.last_swap.pause_seconds,
             stage_tokens=self.last_swap.stage_tokens,
             staged_swaps=engine.config.stage and not engine.stage_unsupported,
-            staged_swaps_off=engine.stage_unsupported,
-            shared_progress=True or ("" if engine.config.stage else "started with --no-stage"),
+            staged_swaps_off=engine.stage_unsupported
+            or ("" if engine.config.stage else "started with --no-stage"),
+            shared_progress=True,
         )
 
     async def _publish_health(self) -> None:

@@ -8,7 +8,7 @@ import asyncio
 
 import numpy as np
 
-from generator_service.feeder import StageFeeder
+from generator_service.feeder import StageFeeder, write_and_feed
 from generator_service.weights import StagingFile, TensorSpec, WeightAssembler
 
 SHAPES = {
@@ -35,8 +35,7 @@ def receive(chunks, staging, feed, write=None):
         for name, offset, data, start, shape, senders in chunks:
             pieces = assembler.add(1, len(SPECS), name, "float32", SPECS[name].shape, offset,
                                    data, False, start, shape, senders)  # fmt: skip
-            written = await staging.write(pieces)
-            feeder.add(assembler.take_completed(), written)
+            await write_and_feed(assembler, staging, pieces, feeder)
             await asyncio.sleep(0)
         fed = await feeder.close()
         await staging.settle()
@@ -131,4 +130,52 @@ def test_nothing_is_fed_after_a_write_failed_or_a_feed_failed(tmp_path):
 
     assert not receive(chunks, staging, broken)
     assert calls == 1  # no batch after the failed one
+    staging.close()
+
+
+def test_a_tensor_completed_by_another_senders_chunk_waits_for_that_chunks_write(tmp_path):
+    """Two senders' streams at once, writes slow and queued one deep: sender 0's chunk waits to
+    be written while sender 1's completes the tensor; the tensor is fed only once sender 1's
+    bytes are in the file too."""
+    import time
+
+    arrays = values()
+    staging = StagingFile(str(tmp_path), max_pending=1)
+    real_write = staging._write
+
+    def slow_write(pieces):
+        time.sleep(0.05)
+        real_write(pieces)
+
+    staging._write = slow_write
+    fed: list[str] = []
+
+    async def feed(tensors):
+        for tensor in tensors:
+            with open(staging.path, "rb") as file:
+                file.seek(tensor.position)
+                read = np.frombuffer(file.read(tensor.nbytes), np.float32).reshape(tensor.shape)
+            np.testing.assert_array_equal(read, arrays[tensor.name])
+            fed.append(tensor.name)
+
+    async def run():
+        assembler = WeightAssembler(SPECS, 0)
+        feeder = StageFeeder(feed)
+        name = NAMES[0]
+        halves = [arrays[name][:4].tobytes(), arrays[name][4:].tobytes()]
+
+        async def sender(index):
+            data = halves[index]
+            await asyncio.sleep(0.01 * index)  # sender 0 first
+            pieces = assembler.add(1, len(SPECS), name, "float32", SPECS[name].shape, 0, data,
+                                   False, (4 * index, 0), (4, 4), 2)  # fmt: skip
+            await write_and_feed(assembler, staging, pieces, feeder)
+
+        first = staging.write([])  # one write already queued: the senders' writes wait
+        await asyncio.gather(first, sender(0), sender(1))
+        assert await feeder.close()
+        await staging.settle()
+
+    asyncio.run(run())
+    assert fed == [NAMES[0]]
     staging.close()
