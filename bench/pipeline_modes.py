@@ -10,7 +10,8 @@ modes rotates from one repeat to the next), each a plain `python -m jaxrlhf.main
 `{out}/{mode}-{repeat}` (what an earlier invocation left there is deleted first), generator
 pinned to `--cpus-generator` and learner to `--cpus-learner` (disjoint cores stand for separate
 accelerators). Modes with the same swap setting share one generator service (`sync` and
-`one-step-off` both drain), or run against the running service `--generators` gives for it
+`one-step-off` both drain; one service at a time, so a repeat whose order returns to a setting
+starts its service again), or run against the running service `--generators` gives for it
 (`drain=HOST:PORT,in-flight-keep=HOST:PORT`; jaxrlhf/experiments/services.py):
 
 - `sync`: max_staleness 0, drain swaps, one Generate call per batch;

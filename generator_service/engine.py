@@ -650,7 +650,7 @@ class GeneratorEngine:
             if staging:
                 started = time.monotonic()
                 staged, stage_tokens = await self._stage(
-                    staging_path, manifest, policy_version, stage_id
+                    staging_path, tensors, policy_version, stage_id
                 )
                 stage_seconds = time.monotonic() - started
             started = time.monotonic()
@@ -674,23 +674,19 @@ class GeneratorEngine:
             )
 
     async def _stage(
-        self, path: str, manifest: list, policy_version: int, stage_id: int
+        self, path: str, tensors: list[StagedTensor], policy_version: int, stage_id: int
     ) -> tuple[bool, int]:
-        """Stages the update in the workers (or, with `stage_id`, goes on with the stage begun
-        and fed) and waits until every one has it; returns (staged, tokens generated
-        meanwhile). (False, 0): this model cannot be staged (logged once; it is then reloaded
-        in the pause). Raises WeightUpdateError if a stage fails."""
-        if stage_id:
-            tokens = self._stage_tokens or TokenCounter(self._llm.output_processor.request_states)
-        else:
-            reasons = await self._llm.collective_rpc(
-                "jaxrlhf_stage_weights",
-                kwargs={"path": path, "tensors": manifest, "threads": self.config.stage_threads},
-            )
-            if any(reasons):
-                await self._staging_off([*filter(None, reasons)][0])
+        """Goes on with the stage `begin_stage` began as `stage_id` and fed (or, without one,
+        begins a stage of the whole update in `path` and feeds it at once) and waits until
+        every worker has it; returns (staged, tokens generated meanwhile). (False, 0): this
+        model cannot be staged (logged once; it is then reloaded in the pause). Raises
+        WeightUpdateError if a stage fails."""
+        if not stage_id:
+            stage_id = await self.begin_stage([t.name for t in tensors])
+            if not stage_id:
                 return False, 0
-            tokens = TokenCounter(self._llm.output_processor.request_states)
+            await self.feed_stage(stage_id, path, tensors)
+        tokens = self._stage_tokens or TokenCounter(self._llm.output_processor.request_states)
         poll = STAGE_POLL_SECONDS[0]
         while True:
             statuses = await self._llm.collective_rpc("jaxrlhf_stage_status")

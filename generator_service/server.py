@@ -442,7 +442,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             stage_seconds=self.last_swap.stage_seconds,
             pause_seconds=self.last_swap.pause_seconds,
             stage_tokens=self.last_swap.stage_tokens,
-            staged_swaps=engine.config.stage and not engine.stage_unsupported,
+            staged_swaps=engine.stages,
             staged_swaps_off=engine.stage_unsupported
             or ("" if engine.config.stage else "started with --no-stage"),
             shared_progress=True,

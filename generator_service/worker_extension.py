@@ -173,14 +173,6 @@ class WeightReloadExtension:
             _closer(maps, views, "reload")()
         return refresh_tied_heads(self.model_runner.get_model())
 
-    def jaxrlhf_stage_weights(self, path: str, tensors: list, threads: int = 1) -> str:
-        """Starts staging the whole update in `path` (see staging.py) in a thread and returns "";
-        or returns why this model cannot be staged (it is then reloaded in the pause)."""
-        reason = self.jaxrlhf_begin_stage([t[0] for t in tensors], threads)
-        if not reason:
-            self.jaxrlhf_feed_stage(path, tensors)
-        return reason
-
     def jaxrlhf_begin_stage(self, expected: list, threads: int = 1, stage_id: int = 0) -> str:
         """Starts staging an update of the tensors named `expected`, which `jaxrlhf_feed_stage`
         hands in as they arrive; returns "" or why this model cannot be staged."""

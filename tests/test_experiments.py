@@ -456,12 +456,11 @@ def test_swap_modes_figures_by_hand():
     assert "in-flight-keep / drain: time per update 1.000" in swap_modes.table(result)
 
 
-def test_an_experiment_shares_one_service_per_swap_setting(tmp_path, monkeypatch):
-    """A run gets a service in its swap setting, started on the experiment's cores and kept
-    for the next runs in that setting; one in another setting replaces it (one engine at a
-    time), and one that died is replaced."""
+@pytest.fixture
+def started_services(monkeypatch):
+    """`start_server` replaced by fake servers (listed in start order) that fail the test when
+    one starts while another still runs."""
     import jaxrlhf.rl.service
-    from jaxrlhf.experiments.runner import Runner
 
     started = []
 
@@ -480,6 +479,16 @@ def test_an_experiment_shares_one_service_per_swap_setting(tmp_path, monkeypatch
         return started[-1]
 
     monkeypatch.setattr(jaxrlhf.rl.service, "start_server", start_server)
+    return started
+
+
+def test_an_experiment_shares_one_service_per_swap_setting(tmp_path, started_services):
+    """A run gets a service in its swap setting, started on the experiment's cores and kept
+    for the next runs in that setting; one in another setting replaces it (one engine at a
+    time), and one that died is replaced."""
+    from jaxrlhf.experiments.runner import Runner
+
+    started = started_services
     runner = Runner(REPO / "configs/tiny.py", tmp_path, "test", cpus_generator="1")
     drain, keep = {}, {"generator.swap_mode": "in-flight"}
     recompute = {**keep, "generator.in_flight_kv": "recompute"}
@@ -495,6 +504,35 @@ def test_an_experiment_shares_one_service_per_swap_setting(tmp_path, monkeypatch
     assert runner.services.address(recompute) == "127.0.0.1:3"  # a new one in its place
     runner.close()
     assert started[3].exit_code == -15
+
+
+def test_a_bench_runs_one_service_at_a_time(tmp_path, started_services, monkeypatch):
+    """`run_side_by_side` (pipeline_modes, swap_modes): modes in one swap setting share its
+    service; a mode in another stops it first, and when the rotated order comes back to a
+    setting its service is started again (two SmolLM2 engines and a learner overflow 24 GB)."""
+    import jaxrlhf.experiments.services as services
+
+    ran = []
+
+    def run_main(command, log):
+        address = command[command.index("--config.generator.addresses") + 1]
+        running = [s for s in started_services if s.exit_code is None]
+        assert [s.address for s in running] == [address]  # only the run's own service is up
+        ran.append((log.parent.name, address))
+        return 0, 0.0
+
+    monkeypatch.setattr(services, "run_main", run_main)
+    monkeypatch.setattr(services, "main_command", lambda config, overrides: [
+        "main", "--config.generator.addresses", overrides["generator.addresses"]])  # fmt: skip
+    modes = {"sync": {}, "one-step-off": {}, "continuous": {"generator.swap_mode": "in-flight"}}
+    per_run = services.run_side_by_side(
+        "test", list(modes), 2, tmp_path, REPO / "configs/tiny.py", {},
+        lambda mode, folder: dict(modes[mode]), lambda folder: {"run": folder.name})  # fmt: skip
+    assert ran == [("sync-0", "127.0.0.1:0"), ("one-step-off-0", "127.0.0.1:0"),
+                   ("continuous-0", "127.0.0.1:1"), ("one-step-off-1", "127.0.0.1:2"),
+                   ("continuous-1", "127.0.0.1:3"), ("sync-1", "127.0.0.1:4")]  # fmt: skip
+    assert [s.exit_code for s in started_services] == [-15] * 5  # all stopped at the end
+    assert per_run["sync"] == [{"run": "sync-0"}, {"run": "sync-1"}]
 
 
 def test_generators_of_a_bench_by_swap_setting(tmp_path):

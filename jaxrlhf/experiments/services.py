@@ -5,7 +5,10 @@ A bench that compares modes (`bench/pipeline_modes.py`, `bench/swap_modes.py`) r
 (same model, same `python -m generator_service` options: the swap setting, capacity, length,
 dtype, seed) share one service, started by the first of them and pinned to its
 `generator.cpus`; each run publishes its initial weights before generating, so it never samples
-from the previous run's policy. That saves an engine start (~25 s of CPU here) per run.
+from the previous run's policy. That saves an engine start (~25 s of CPU here) per run. One
+service runs at a time: a run in another setting stops the running one first (two SmolLM2
+engines beside the learner did not fit 24 GB), so a setting's service can be started again
+when the order of the modes comes back to it.
 
 `--generators drain=HOST:PORT,in-flight-keep=HOST:PORT` (`parse_generators`) points the runs of a
 swap setting at a running service instead. The run checks at start that the service swaps as
@@ -130,11 +133,11 @@ def run_side_by_side(
 ) -> dict[str, list[dict[str, float]]]:
     """Runs `python -m jaxrlhf.main` once per label and repeat, in `{out}/{label}-{repeat}`
     (emptied first), the labels' order rotating from one repeat to the next, against services
-    shared per swap setting (`SharedServices`); returns each label's figures per repeat
-    (`figures_of(folder)`). Exits naming the run and its log's tail when one fails. With
+    shared per swap setting, one at a time (`SharedServices`); returns each label's figures
+    per repeat (`figures_of(folder)`). Exits naming the run and its log's tail when one fails. With
     `analyze_only`, reads the runs already there."""
     per_run: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
-    with SharedServices(config_file, out, given) as services:
+    with SharedServices(config_file, out, given, one_at_a_time=True) as services:
         for repeat in range(repeats):
             shift = repeat % len(labels)
             for label in [*labels[shift:], *labels[:shift]]:

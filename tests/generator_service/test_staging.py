@@ -137,6 +137,11 @@ def _probe(model_dir: str, folder: str) -> dict:
     def rpc(method, **kwargs):
         return llm.collective_rpc(method, kwargs=kwargs)[0]
 
+    def stage_whole(path, manifest):  # a stage begun with every tensor already in the file
+        reason = rpc("jaxrlhf_begin_stage", expected=[entry[0] for entry in manifest])
+        assert reason or rpc("jaxrlhf_feed_stage", path=path, tensors=manifest)
+        return reason
+
     def wait():
         while (status := rpc("jaxrlhf_stage_status"))["state"] == "running":
             time.sleep(0.005)
@@ -148,7 +153,7 @@ def _probe(model_dir: str, folder: str) -> dict:
     report: dict = {"base_greedy": greedy()[0], "before": llm.collective_rpc(_snapshot)[0]}
 
     path, manifest = _write(folder, new, "new")
-    assert rpc("jaxrlhf_stage_weights", path=path, tensors=manifest) == ""
+    assert stage_whole(path, manifest) == ""
     report["staged_state"] = wait()["state"]
     report["while_staged"] = llm.collective_rpc(_snapshot)[0]
     rpc("jaxrlhf_commit_staged")
@@ -169,13 +174,13 @@ def _probe(model_dir: str, folder: str) -> dict:
     bad[name] = np.ascontiguousarray(bad[name][:, :-1])
     bad_path, bad_manifest = _write(folder, bad, "bad")
     report["before_bad"] = llm.collective_rpc(_snapshot)[0]
-    assert rpc("jaxrlhf_stage_weights", path=bad_path, tensors=bad_manifest) == ""
+    assert stage_whole(bad_path, bad_manifest) == ""
     status = wait()
     report["bad_state"], report["bad_error"] = status["state"], status["error"]
     rpc("jaxrlhf_drop_staged")
     report["after_bad"] = llm.collective_rpc(_snapshot)[0]
     report["after_bad_greedy"] = greedy()[0]
-    assert rpc("jaxrlhf_stage_weights", path=base_path, tensors=base_manifest) == ""
+    assert stage_whole(base_path, base_manifest) == ""
     report["next_state"] = wait()["state"]
     rpc("jaxrlhf_drop_staged")
 
