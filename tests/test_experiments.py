@@ -16,8 +16,18 @@ from jaxrlhf.experiments import (
     load_config,
     main_command,
     offpolicy,
+    run_code,
+    run_main,
 )
-from jaxrlhf.experiments.runner import SETTINGS_FILE, finished_with, given_generators, run_figures
+from jaxrlhf.experiments.runner import (
+    SETTINGS_FILE,
+    PlannedRun,
+    Runner,
+    code_summary,
+    finished_with,
+    given_generators,
+    run_figures,
+)
 from jaxrlhf.experiments.services import SWAP_SETTINGS, SharedServices, parse_generators
 from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr, paired_difference, within
 from tests.conftest import REPO
@@ -338,6 +348,35 @@ def test_runs_are_reused_only_with_the_same_settings(tmp_path):
     (folder / SETTINGS_FILE).write_text(json.dumps(overrides))
     assert finished_with(folder, overrides)
     assert not finished_with(folder, {**overrides, "num_mini_batches": 4})
+
+
+def test_a_run_records_the_code_it_ran(tmp_path):
+    """run_main writes the commit under the command in the run's log (what git itself says);
+    the runner's entries carry it, and the summary counts the runs per commit."""
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    log = tmp_path / "run" / "run.log"
+    returncode, _ = run_main([sys.executable, "-c", "print('the run')"], log)
+    assert returncode == 0 and log.read_text().splitlines()[2] == "the run"
+    code = run_code(log)
+    assert head.startswith(code.removesuffix("+changes")) and len(code) >= 7
+    assert run_code(tmp_path / "nowhere.log") is None
+
+    runner = Runner(REPO / "configs/tiny.py", tmp_path, "test", report_only=True)
+    runs = []
+    for name, header in (("a", "# code: 1234567\n"), ("b", "# code: 1234567\n"),
+                         ("c", "# code: 89abcde+changes\n"), ("d", "")):  # fmt: skip
+        write_run(tmp_path / name, offpolicy_records(2, 2, 0.1), {})
+        (tmp_path / name / "run.log").write_text("$ python -m jaxrlhf.main\n" + header)
+        runs.append(PlannedRun({"name": name}, tmp_path / name, {}))
+    runs.append(PlannedRun({"name": "never run"}, tmp_path / "e", {}))
+    entries = runner.run_all(runs, last=1)
+    assert [e["code"] for e in entries] == ["1234567", "1234567", "89abcde+changes", None, None]
+    assert code_summary(entries) == ("1234567 (2 runs), 89abcde+changes (1 run), "
+                                     "not recorded (1 run)")  # fmt: skip
+    assert code_summary([]) == "none"
 
 
 def test_offpolicy_plot_needs_a_finished_run(tmp_path):

@@ -107,14 +107,46 @@ def main_command(config_file: str | Path, overrides: Mapping[str, Any]) -> list[
     return [sys.executable, "-m", "jaxrlhf.main", f"--config={config_file}", *flags]
 
 
+CODE_LINE = "# code: "  # the second line of a run's log: the code it ran (`code_version`)
+
+
+def code_version() -> str:
+    """The repository's commit, abbreviated, with "+changes" when tracked files differ from it
+    ("unknown" outside a git checkout): what an experiment's run ran, since an experiment may
+    span commits (its runs are reused until their overrides change)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=60, check=True).stdout.strip()  # fmt: skip
+
+    try:
+        commit = git("rev-parse", "--short=7", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+changes" if changed else "")
+
+
+def run_code(log_path: str | Path) -> str | None:
+    """The code version `run_main` wrote in a run's log (None: not recorded, or no log)."""
+    try:
+        with open(log_path, errors="replace") as log:
+            head = [log.readline() for _ in range(2)]
+    except FileNotFoundError:
+        return None
+    line = head[1].strip()
+    return line[len(CODE_LINE) :] if line.startswith(CODE_LINE) else None
+
+
 def run_main(command: list[str], log_path: str | Path) -> tuple[int, float]:
     """Runs one `jaxrlhf.main` command from the repository root, its stdout and stderr into
-    `log_path`; returns (exit code, seconds)."""
+    `log_path` (after the command and the code version); returns (exit code, seconds)."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(command) + "\n")
+        log.write(CODE_LINE + code_version() + "\n")
         log.flush()
         returncode = subprocess.call(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     return returncode, time.perf_counter() - started

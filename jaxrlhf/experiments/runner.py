@@ -10,7 +10,9 @@ since the service serves the previous run's. A run whose folder holds a finished
 same overrides is reused; a failed run is recorded and the experiment goes on. A service of
 the experiment's own that dies during a run is replaced and the run is run again (at most
 `MAX_GENERATOR_RESTARTS` times).
-Each run's figures (`run_figures`) come from its `metrics.jsonl` and `summary.json`.
+Each run's figures (`run_figures`) come from its `metrics.jsonl` and `summary.json`; its log's
+second line names the commit it ran (`code_version`), and every experiment prints which commits
+its runs ran (`code_summary`), since reused runs may be older than the code.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.experiments import log_tail, main_command, read_run, run_main
+from jaxrlhf.experiments import log_tail, main_command, read_run, run_code, run_main
 from jaxrlhf.experiments.services import SWAP_SETTINGS, SharedServices, parse_generators
 
 SETTINGS_FILE = "experiment.json"  # in each run's folder: the overrides it ran with
@@ -139,11 +141,13 @@ class Runner:
                           f"about {left / 60:.0f} min left", flush=True)  # fmt: skip
         finally:
             self.close()
+        print(f"[{self.name}] code of the runs: {code_summary(entries)}", flush=True)
         return entries
 
     def entry(self, run: PlannedRun, last: int) -> dict[str, Any]:
         """The run's figures, or the reason there are none."""
-        entry: dict[str, Any] = {**run.labels, "output_dir": str(run.folder)}
+        entry: dict[str, Any] = {**run.labels, "output_dir": str(run.folder),
+                                 "code": run_code(run.folder / "run.log")}  # fmt: skip
         try:
             records, summary = read_run(run.folder)
             entry.update(status="ok", **run_figures(records, summary, last))
@@ -181,6 +185,17 @@ class Runner:
 
     def close(self) -> None:
         self.services.close()
+
+
+def code_summary(entries: Sequence[dict[str, Any]]) -> str:
+    """Which code the runs ran, e.g. "82f61e9 (8 runs), 086f9a2+changes (4 runs)", in order of
+    first appearance (`code_version`; runs from before it was recorded: "not recorded")."""
+    counts: dict[str, int] = {}
+    for entry in entries:
+        if entry.get("status") != "missing":
+            code = entry.get("code") or "not recorded"
+            counts[code] = counts.get(code, 0) + 1
+    return ", ".join(f"{code} ({n} run{'s' * (n != 1)})" for code, n in counts.items()) or "none"
 
 
 def given_generators(text: str) -> dict[str, str]:
