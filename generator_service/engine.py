@@ -615,11 +615,14 @@ class GeneratorEngine:
         return self._stage_id
 
     async def feed_stage(self, stage_id: int, path: str, tensors: list[StagedTensor]) -> None:
-        """Hands stage `stage_id` these complete tensors of `path` (`begin_stage`)."""
-        await self._llm.collective_rpc(
+        """Hands stage `stage_id` these complete tensors of `path` (`begin_stage`); raises
+        RuntimeError when a worker no longer has that stage (dropped, or another begun)."""
+        fed = await self._llm.collective_rpc(
             "jaxrlhf_feed_stage",
             kwargs={"path": path, "tensors": _manifest(tensors), "stage_id": stage_id},
         )
+        if not all(fed):
+            raise RuntimeError(f"stage {stage_id} is gone from a worker; nothing was fed")
 
     async def swap_weights(
         self,
@@ -644,7 +647,7 @@ class GeneratorEngine:
         scheduler paused, nor with new or partial weights serving under the old version."""
         manifest = _manifest(tensors)
         staging = self.stages or stage_id != 0
-        staged, stage_seconds, stage_tokens = False, 0.0, 0
+        staged, stage_seconds, stage_tokens = 0, 0.0, 0
         try:
             self._check_newer(policy_version, allow_rollback)
             if staging:
@@ -675,26 +678,28 @@ class GeneratorEngine:
 
     async def _stage(
         self, path: str, tensors: list[StagedTensor], policy_version: int, stage_id: int
-    ) -> tuple[bool, int]:
+    ) -> tuple[int, int]:
         """Goes on with the stage `begin_stage` began as `stage_id` and fed (or, without one,
         begins a stage of the whole update in `path` and feeds it at once) and waits until
-        every worker has it; returns (staged, tokens generated meanwhile). (False, 0): this
-        model cannot be staged (logged once; it is then reloaded in the pause). Raises
-        WeightUpdateError if a stage fails."""
+        every worker has it; returns (the stage's number, tokens generated meanwhile). (0, 0):
+        this model cannot be staged (logged once; it is then reloaded in the pause). Raises
+        WeightUpdateError if the stage fails, or a worker has another stage or none."""
         if not stage_id:
             stage_id = await self.begin_stage([t.name for t in tensors])
             if not stage_id:
-                return False, 0
+                return 0, 0
             await self.feed_stage(stage_id, path, tensors)
         tokens = self._stage_tokens or TokenCounter(self._llm.output_processor.request_states)
         poll = STAGE_POLL_SECONDS[0]
         while True:
-            statuses = await self._llm.collective_rpc("jaxrlhf_stage_status")
+            statuses = await self._llm.collective_rpc(
+                "jaxrlhf_stage_status", kwargs={"stage_id": stage_id}
+            )
             generated = tokens.update()
             unsupported = [s["error"] for s in statuses if s["state"] == "unsupported"]
             if unsupported:
                 await self._staging_off(unsupported[0])
-                return False, 0
+                return 0, 0
             failed = [s["error"] for s in statuses if s["state"] in ("failed", "none")]
             if failed:
                 await self.drop_stage()
@@ -715,7 +720,7 @@ class GeneratorEngine:
                     max(s.get("wait", 0.0) for s in statuses),
                     generated,
                 )
-                return True, generated
+                return stage_id, generated
             await asyncio.sleep(poll)
             poll = min(2 * poll, STAGE_POLL_SECONDS[1])
 
@@ -734,8 +739,9 @@ class GeneratorEngine:
             logger.exception("dropping a staged update failed")
 
     async def _reload(
-        self, path: str, manifest: list, policy_version: int, allow_rollback: bool, staged: bool
+        self, path: str, manifest: list, policy_version: int, allow_rollback: bool, staged: int
     ) -> None:
+        """Loads the update in the pause: commits stage `staged` (0: reloads from `path`)."""
         self._check_newer(policy_version, allow_rollback)
         await self._hold(failpoints.hit("pause_for_swap"))  # (chaos tests only)
         # "drain": the gate already drained our calls; "wait" also covers anything else in the
@@ -746,7 +752,7 @@ class GeneratorEngine:
         self.occupancy.paused(True)
         try:
             if staged:
-                await self._llm.collective_rpc("jaxrlhf_commit_staged")
+                await self._llm.collective_rpc("jaxrlhf_commit_staged", kwargs={"stage_id": staged})
             else:
                 await self._llm.collective_rpc(
                     "jaxrlhf_reload_weights",

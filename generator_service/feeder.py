@@ -53,6 +53,12 @@ class StageFeeder:
         await asyncio.shield(self._task)
         return self.error is None
 
+    async def abandon(self) -> None:
+        """The update was refused: feeds nothing more than a feed already under way (its stage
+        is dropped next, so the rest would be loaded for nothing)."""
+        self._ready.clear()
+        await self.close()
+
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
@@ -67,6 +73,8 @@ class StageFeeder:
                         self.error = RuntimeError("a write into the staging file failed")
                         return
                     batch += tensors
+                if not batch:  # (abandoned meanwhile)
+                    continue
                 try:
                     await self._feed(batch)
                 except Exception as error:  # noqa: BLE001 - the swap then stages from scratch

@@ -155,7 +155,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     async def _receive(self, update: Update, sender: int, chunk, chunks):
         """One sender's stream into `update`; the update's answer (module `updates`)."""
-        swapping = False
+        swapping, updates_before = False, self._engine.num_updates
         try:
             await update.wait_ready()
             while chunk is not None:
@@ -182,10 +182,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 )
                 await write_and_feed(update.assembler, update.staging, pieces, update.feeder)
                 chunk = await anext(chunks, None)
+            if (error := update.error()) is not None:  # refused while this stream was ending
+                raise error  # (its lock is released: it must never be swapped in)
             update.finished.add(sender)
             if not update.all_finished:
                 return await asyncio.shield(update.result)
-            swapping = True
+            swapping, updates_before = True, self._engine.num_updates
             response = await self._swap(update)
             update.succeed(response)
             return response
@@ -196,7 +198,16 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             update.fail(error)
             raise update.error() from None
         except asyncio.CancelledError:
-            if swapping or not update.all_finished:
+            if swapping and self._engine.num_updates > updates_before:
+                # Cancelled in the pause, which the swap finished: the update is live, and the
+                # other senders are told so (this call's timings are lost with it).
+                update.succeed(generator_pb2.UpdateWeightsResponse(
+                    policy_version=update.key.policy_version,
+                    num_tensors=update.key.num_tensors,
+                    num_bytes=update.assembler.num_bytes,
+                    seconds=time.monotonic() - update.started,
+                ))  # fmt: skip
+            elif swapping or not update.all_finished:
                 update.fail(WeightUpdateError(
                     grpc.StatusCode.ABORTED,
                     f"sender {sender}'s call was cancelled before the update was swapped "
@@ -239,8 +250,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         a stage begun for it and not handed to a swap is dropped."""
         if update.staging is not None:
             await update.staging.settle()
-        if update.feeder is not None:
-            await update.feeder.close()
+        if update.feeder is not None:  # refused before its swap
+            await update.feeder.abandon()
             update.feeder = None
             await self._engine.drop_stage()
         await self._publish_health()
@@ -255,11 +266,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         stage_id = 0
         if update.feeder is not None:  # the stage goes to the swap, which drops it after
             fed = await update.feeder.close()
-            update.feeder = None
             if fed:
                 stage_id = update.stage_id
-            else:
-                await self._engine.drop_stage()  # staged from scratch by the swap
+            else:  # staged from scratch by the swap
+                await finish_despite_cancellation(asyncio.ensure_future(self._engine.drop_stage()))
+            update.feeder = None  # (after the drop: if it is cancelled, `_release` drops it)
         swap = await self._engine.swap_weights(
             staging.path, tensors, assembler.policy_version, assembler.allow_rollback,
             stage_id=stage_id,
@@ -324,8 +335,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 if request.progressive:
                     check_progress_page(tensors)
                     if self._engine.stages:
-                        stage_id = await self._engine.begin_stage([t.name for t in tensors])
-                    await self._follow(path, tensors, stage_id, request.policy_version)
+                        try:
+                            stage_id = await self._engine.begin_stage([t.name for t in tensors])
+                        except Exception:  # noqa: BLE001 - staged after the writes instead
+                            logger.exception("beginning a stage failed")
+                    stage_id = await self._follow(path, tensors, stage_id, request.policy_version)
                 checked_seconds = time.monotonic() - started
                 failpoints.hit("update_weights")  # (chaos tests only)
                 handed, stage_id = stage_id, 0  # the swap drops it from here on
@@ -369,16 +383,29 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             stage_tokens=swap.stage_tokens,
         )
 
-    async def _follow(self, path: str, tensors: list, stage_id: int, version: int) -> None:
+    async def _follow(self, path: str, tensors: list, stage_id: int, version: int) -> int:
         """Until the learner has written every tensor of a progressive shared update (its count
         in the file's first 8 bytes: `SharedWeights.progressive`), handing each written tensor
-        to stage `stage_id` (0: none). Raises WeightUpdateError if the writer gives up, the
-        count goes wrong, or it stands still for `senders_timeout` seconds."""
-        fd = os.open(path, os.O_RDONLY)
+        to stage `stage_id` (0: none); returns the stage, or 0 when feeding it failed (it is
+        then dropped, and the swap stages from scratch). Raises WeightUpdateError if the writer
+        gives up, the count goes wrong, the file cannot be read, or the count stands still for
+        `senders_timeout` seconds."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as error:
+            raise WeightUpdateError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"the shared file cannot be read: {error}"
+            ) from error
         try:
             fed, moved, poll = 0, time.monotonic(), PROGRESS_POLL_SECONDS[0]
             while fed < len(tensors):
-                count = int.from_bytes(os.pread(fd, 8, 0), "little")
+                try:
+                    count = int.from_bytes(os.pread(fd, 8, 0), "little")
+                except OSError as error:
+                    raise WeightUpdateError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"the shared file's count cannot be read: {error}",
+                    ) from error
                 if count == PROGRESS_ABANDONED:
                     raise WeightUpdateError(
                         grpc.StatusCode.ABORTED,
@@ -394,7 +421,14 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     )
                 if count > fed:
                     if stage_id:
-                        await self._engine.feed_stage(stage_id, path, tensors[fed:count])
+                        try:
+                            await self._engine.feed_stage(stage_id, path, tensors[fed:count])
+                        except Exception:  # noqa: BLE001 - the swap stages from scratch
+                            logger.exception("feeding the stage failed")
+                            await finish_despite_cancellation(
+                                asyncio.ensure_future(self._engine.drop_stage())
+                            )
+                            stage_id = 0
                     fed, moved, poll = count, time.monotonic(), PROGRESS_POLL_SECONDS[0]
                 elif time.monotonic() - moved > self._updates.join_timeout:
                     raise WeightUpdateError(
@@ -408,6 +442,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     poll = min(2 * poll, PROGRESS_POLL_SECONDS[1])
         finally:
             os.close(fd)
+        return stage_id
 
     def close(self) -> None:
         """Deletes the staging file; call once the server has stopped."""

@@ -468,9 +468,10 @@ class Stage:
         return time.monotonic() - started
 
     def drop(self) -> None:
-        """Frees the staged update and the retired attributes; a stage still running stops at
-        its next module and frees itself (without waiting for it: this runs in an RPC that
-        holds the engine's loop). A later stage queues behind it on the one staging thread."""
+        """Frees the staged update and the retired attributes; a stage still running stops
+        before its next layer (or while waiting for one) and frees itself (without waiting
+        for it: this runs in an RPC that holds the engine's loop). A later stage queues behind
+        it on the one staging thread."""
         with self._fed:
             self._cancelled = True
             self._fed.notify_all()

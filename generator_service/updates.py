@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 
 from generator_service.weights import WeightUpdateError
+
+logger = logging.getLogger(__name__)
 
 # Senders of one update that the server accepts (a guard against a corrupt count).
 MAX_SENDERS = 4096
@@ -181,10 +184,19 @@ class UpdateJoiner:
                         update.ready.set()
                     except WeightUpdateError as error:
                         update.fail(error)
+                    except Exception as error:  # noqa: BLE001 - every sender is answered
+                        logger.exception("preparing a weight update failed")
+                        update.fail(WeightUpdateError(
+                            grpc.StatusCode.INTERNAL,
+                            f"preparing the update failed: {type(error).__name__}: {error}; "
+                            "the served weights are unchanged",
+                        ))  # fmt: skip
                 await asyncio.wait((update.result,))
             finally:
-                await self._release(update)
-                self._lock.release()
+                try:
+                    await self._release(update)
+                finally:
+                    self._lock.release()
         finally:
             timer.cancel()
             if self._open is update:

@@ -201,16 +201,25 @@ class WeightReloadExtension:
         stage.feed(views, _closer(maps, views, "stage"))
         return True
 
-    def jaxrlhf_stage_status(self) -> dict:
+    def jaxrlhf_stage_status(self, stage_id: int = 0) -> dict:
         """{"state": "running" | "done" | "failed" | "unsupported" | "none", "error", "seconds",
-        and the seconds of its phases}."""
+        and the seconds of its phases} of the stage begun as `stage_id` (0: of any); "none"
+        when the worker has no stage, or another one."""
         stage = self._jaxrlhf_stage
+        if stage is not None and stage_id and stage_id != self._jaxrlhf_stage_id:
+            error = f"the worker stages update {self._jaxrlhf_stage_id}, not {stage_id}"
+            return {"state": "none", "error": error, "seconds": 0.0}
         return {"state": "none", "error": "", "seconds": 0.0} if stage is None else stage.status()
 
-    def jaxrlhf_commit_staged(self) -> float:
-        """Puts the staged update live (the engine is paused); returns its seconds."""
+    def jaxrlhf_commit_staged(self, stage_id: int = 0) -> float:
+        """Puts the stage begun as `stage_id` (0: any) live (the engine is paused); returns its
+        seconds. Raises, changing nothing, when the worker has no stage or another one."""
         if self._jaxrlhf_stage is None:
             raise RuntimeError("no staged update to commit")
+        if stage_id and stage_id != self._jaxrlhf_stage_id:
+            raise RuntimeError(
+                f"asked to commit stage {stage_id}, but the worker has {self._jaxrlhf_stage_id}"
+            )
         return self._jaxrlhf_stage.commit()
 
     def jaxrlhf_drop_staged(self) -> None:

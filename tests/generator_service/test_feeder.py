@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 
 from generator_service.feeder import StageFeeder, write_and_feed
-from generator_service.weights import StagingFile, TensorSpec, WeightAssembler
+from generator_service.weights import StagedTensor, StagingFile, TensorSpec, WeightAssembler
 
 SHAPES = {
     "model.layers.0.mlp.up_proj.weight": (8, 4),
@@ -179,3 +179,38 @@ def test_a_tensor_completed_by_another_senders_chunk_waits_for_that_chunks_write
     asyncio.run(run())
     assert fed == [NAMES[0]]
     staging.close()
+
+
+def test_an_abandoned_feeder_feeds_nothing_more_than_the_feed_under_way():
+    """A refused update's feeder (`abandon`) waits for the feed in progress, then stops: what
+    was still waiting for its write, or ready behind it, is never fed (its stage is dropped)."""
+
+    def tensor(name):
+        return StagedTensor(name, "F32", (4,), 0, 16)
+
+    async def run():
+        fed, feeding, release = [], asyncio.Event(), asyncio.Event()
+
+        async def feed(tensors):
+            fed.append([t.name for t in tensors])
+            feeding.set()
+            await release.wait()
+
+        loop = asyncio.get_running_loop()
+        first, second, third = (loop.create_future() for _ in range(3))
+        feeder = StageFeeder(feed)
+        feeder.add([tensor("a")], first)
+        feeder.add([tensor("b")], second)
+        first.set_result(None)
+        await feeding.wait()  # "a" is being fed; "b" waits for its write
+        feeder.add([tensor("c")], third)
+        second.set_result(None)
+        third.set_result(None)
+        abandoned = asyncio.ensure_future(feeder.abandon())
+        await asyncio.sleep(0.05)
+        waited = not abandoned.done()  # for the feed under way
+        release.set()
+        await abandoned
+        return fed, waited
+
+    assert asyncio.run(run()) == ([["a"]], True)

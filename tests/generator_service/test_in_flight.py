@@ -14,6 +14,7 @@ per-token versions.
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ import pytest
 
 from jaxrlhf_wire.build import PROTO_PATH
 from jaxrlhf_wire.chunks import iter_weight_chunks
+from tests.generator_service.test_senders import split
 from tests.generator_service.test_update_weights import perturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -282,6 +284,44 @@ def test_an_update_cancelled_mid_swap_completes(in_flight, reference):
     assert (status.serving, status.policy_version) == (True, old_version + 1)
     (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
     assert list(completion.token_policy_versions) == [old_version + 1] * 12
+    assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
+
+
+def test_a_two_sender_update_cancelled_mid_swap_is_answered_live_to_both(in_flight, reference):
+    """Two senders; the call of the one whose stream ends last (it runs the swap) passes its
+    deadline while the engine is paused with the new weights loaded (a failpoint holds it).
+    The swap completes, and the other sender is told it is live: before, it was answered
+    ABORTED "cancelled before the update was swapped in" for a version that was serving."""
+    old_version = in_flight.version
+    new = perturbed(in_flight.tensors, seed=16)
+    parts = split(new, 2)
+    with open(in_flight.failpoints, "a") as armed:
+        armed.write("reload_weights 1 sleep=6\n")
+
+    def stream(sender):
+        yield from iter_weight_chunks(parts[sender], old_version + 1, 1 << 16, len(new),
+                                      num_senders=2, sender=sender)  # fmt: skip
+        if sender == 1:
+            time.sleep(0.5)  # ends last: its call swaps
+
+    def call(sender, timeout):
+        try:
+            return in_flight.client.stub.UpdateWeights(stream(sender), timeout=timeout)
+        except grpc.RpcError as error:
+            return error
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first, second = pool.submit(call, 0, 60), pool.submit(call, 1, 3.0)
+        outcomes = [first.result(), second.result()]
+    assert not in_flight.failpoints.exists(), "the deadline expired before the swap began"
+    assert isinstance(outcomes[1], grpc.RpcError), outcomes[1]
+    assert outcomes[1].code() == grpc.StatusCode.DEADLINE_EXCEEDED, outcomes[1].details()
+    assert not isinstance(outcomes[0], grpc.RpcError), outcomes[0].details()
+    assert outcomes[0].policy_version == old_version + 1
+    status = in_flight.client.status()
+    in_flight.version, in_flight.tensors = status.policy_version, new
+    assert (status.serving, status.policy_version) == (True, old_version + 1)
+    (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
     assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
 
 

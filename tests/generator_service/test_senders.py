@@ -7,6 +7,7 @@ the old weights keep serving the same greedy tokens."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import grpc
@@ -142,5 +143,51 @@ def test_a_bad_multi_sender_update_is_refused_for_all_and_changes_nothing(client
     # And the next update, from two senders, goes through.
     new = perturbed(served.tensors, seed=211)
     outcomes = send(client, split(new, 2), [version + 1] * 2, len(new))
+    assert all(not isinstance(o, grpc.RpcError) for o in outcomes), outcomes
+    served.record(version + 1, new)
+
+
+def test_a_sender_cancelled_while_another_still_sends_refuses_the_update_for_both(client, served):
+    """Sender 0 sends all of its part, then its call's deadline passes while sender 1's stream
+    has not ended. The update is refused for both, even though sender 1's stream then ends
+    complete (it was once swapped in then, with the update's lock already released), and the
+    old weights keep serving."""
+    before = greedy(client)
+    version = client.status().policy_version
+    new = perturbed(served.tensors, seed=213)
+    parts = split(new, 2)
+    first_answered = threading.Event()
+
+    def chunks(sender):
+        return iter_weight_chunks(parts[sender], version + 1, 1 << 14, len(new), num_senders=2,
+                                  sender=sender)  # fmt: skip
+
+    def held_open():  # all of sender 1's chunks; the stream ends after sender 0 was answered
+        yield from chunks(1)
+        first_answered.wait(timeout=60)
+        time.sleep(0.5)
+
+    def call(sender, stream, timeout):
+        try:
+            return client.stub.UpdateWeights(stream, timeout=timeout)
+        except grpc.RpcError as error:
+            return error
+        finally:
+            if sender == 0:
+                first_answered.set()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        second = pool.submit(call, 1, held_open(), 120)
+        first = pool.submit(call, 0, chunks(0), 8)
+        outcomes = [first.result(), second.result()]
+    assert isinstance(outcomes[0], grpc.RpcError), outcomes[0]
+    assert outcomes[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED, outcomes[0].details()
+    assert isinstance(outcomes[1], grpc.RpcError), "the refused update was swapped in"
+    assert outcomes[1].code() == grpc.StatusCode.ABORTED, outcomes[1].details()
+    assert "sender 0's call was cancelled" in outcomes[1].details()
+    status = client.status()
+    assert (status.policy_version, status.serving) == (version, True)
+    assert greedy(client) == before
+    outcomes = send(client, split(new, 2), [version + 1] * 2, len(new))  # the next one goes in
     assert all(not isinstance(o, grpc.RpcError) for o in outcomes), outcomes
     served.record(version + 1, new)
