@@ -41,22 +41,14 @@ def in_flight_server(tiny_llama, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_offpolicy_experiment_runs_and_replaces_its_dead_generator(tmp_path, own_generator):
-    # The experiment starts its own service; a failpoint (read by that service from the
-    # inherited environment) SIGKILLs it in the middle of the first run's first Generate. That
-    # run fails (no replica within 5 s), the runner starts a new service and runs it again, and
-    # the second run uses the new service.
-    failpoints = tmp_path / "failpoints"
-    failpoints.write_text("generate_completion 1 kill\n")
-    env = {"JAXRLHF_FAILPOINTS": str(failpoints), "VLLM_CPU_KVCACHE_SPACE": "1"}
+def test_offpolicy_experiment_runs(generator_address, tmp_path):
+    # On the suite's shared service (what a run does when its service dies, by hand:
+    # tests/test_experiments.py::test_a_run_whose_service_died_runs_again_on_a_new_one).
     out = run(["-m", "jaxrlhf.experiments.offpolicy", "--model", "tiny", "--losses", "rloo",
                "--mini-batches", "1,2", "--steps", "2", "--seeds", "0", "--out",
-               str(tmp_path / "x"), "--config.generator.no_replica_timeout_s=5", *QUICK],
-              env=env)  # fmt: skip
-    assert not failpoints.exists()  # it fired
-    assert "the generator service died during the run: it is run again" in out
-    assert "the generator service exited; starting a new one" in out
-    assert out.count("starting a generator service") == 2  # the first, then its replacement
+               str(tmp_path / "x"), "--generator-addresses", generator_address,
+               *QUICK])  # fmt: skip
+    assert "starting a generator service" not in out
     results = json.loads((tmp_path / "x" / "results.json").read_text())
     assert [(c["num_mini_batches"], c["seeds"], c["failed"]) for c in results["cells"]] == [
         (1, 1, 0), (2, 1, 0)]  # fmt: skip
@@ -151,9 +143,9 @@ def test_pipeline_modes_bench_runs_each_mode_end_to_end(
 ):
     """The three modes on a shortened long-tail workload, against the running services it is
     given: sync and one-step-off share the draining one, continuous runs on the in-flight one
-    (each run publishes its own weights first; starting services is the experiments' runner's
-    path, tested by the offpolicy smoke); every token within the bound, every response within
-    its budget."""
+    (each run publishes its own weights first; how the runner starts and replaces services is
+    tested by hand in tests/test_experiments.py); every token within the bound, every response
+    within its budget."""
     generators = f"drain={generator_address},in-flight-keep={in_flight_server.address}"
     out = run(["bench/pipeline_modes.py", "--workload", "long-tail", "--steps", "3",
                "--warmup", "1", "--out", str(tmp_path), "--generators", generators,

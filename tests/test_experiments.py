@@ -512,6 +512,9 @@ def started_services(monkeypatch):
         def terminate(self):
             self.exit_code = -15
 
+        def log_tail(self):
+            return f"(log of {self.address})"
+
     def start_server(model, log, options, cpus=None):
         assert all(s.exit_code is not None for s in started), "two engines at once"
         started.append(Server(options, cpus))
@@ -543,6 +546,54 @@ def test_an_experiment_shares_one_service_per_swap_setting(tmp_path, started_ser
     assert runner.services.address(recompute) == "127.0.0.1:3"  # a new one in its place
     runner.close()
     assert started[3].exit_code == -15
+
+
+def test_a_run_whose_service_died_runs_again_on_a_new_one(
+    tmp_path, started_services, monkeypatch, capsys
+):
+    """`Runner._execute`: a run that fails because its service exited meanwhile is run again on
+    a new service, from an empty folder; a run that fails with its service alive is not; a
+    service dying more than MAX_GENERATOR_RESTARTS times ends the experiment with its log.
+    (A real service killed mid-run and the learner surviving it: tests/test_fleet.py.)"""
+    import jaxrlhf.experiments.runner as runner_module
+
+    calls = []
+
+    def run_main(command, log):
+        address = command[command.index("--config.generator.addresses") + 1]
+        calls.append(address)
+        assert not (log.parent / "stale").exists()  # each attempt starts from an empty folder
+        log.parent.mkdir(parents=True, exist_ok=True)
+        (log.parent / "stale").write_text("")
+        if outcome[0] == "kill":  # the service dies under the run, which then fails
+            next(s for s in started_services if s.address == address).exit_code = -9
+            outcome.pop(0)
+            return 1, 1.0
+        return (0 if outcome.pop(0) == "ok" else 1), 1.0
+
+    monkeypatch.setattr(runner_module, "run_main", run_main)
+    monkeypatch.setattr(runner_module, "main_command", lambda config, overrides: [
+        "main", "--config.generator.addresses", overrides["generator.addresses"]])  # fmt: skip
+    runner = Runner(REPO / "configs/tiny.py", tmp_path, "test")
+    run = PlannedRun({"seed": 0}, tmp_path / "run", {})
+
+    outcome = ["kill", "ok"]
+    assert runner._execute(run)[0] == 0
+    assert calls == ["127.0.0.1:0", "127.0.0.1:1"] and runner.generator_restarts == 1
+    assert json.loads((tmp_path / "run" / SETTINGS_FILE).read_text()) == {}
+    out = capsys.readouterr().out
+    assert "the generator service died during the run: it is run again on a new one" in out
+    assert "the generator service exited; starting a new one:\n(log of 127.0.0.1:0)" in out
+
+    calls.clear()
+    outcome = ["fail"]  # the run's own failure, its service alive: not run again
+    assert runner._execute(run)[0] == 1 and calls == ["127.0.0.1:1"]
+    assert not (tmp_path / "run" / SETTINGS_FILE).exists()
+
+    outcome = ["kill"] * (runner_module.MAX_GENERATOR_RESTARTS + 1)
+    with pytest.raises(SystemExit, match=r"restarted 3 times already\):\n\(log of 127"):
+        runner._execute(run)
+    runner.close()
 
 
 def test_a_bench_runs_one_service_at_a_time(tmp_path, started_services, monkeypatch):

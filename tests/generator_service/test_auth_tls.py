@@ -62,11 +62,12 @@ def self_signed_certificate(directory) -> tuple:
 def secure_server(tiny_llama, tmp_path_factory, start_generator_server):
     directory = tmp_path_factory.mktemp("secure_server")
     key_path, cert_path = self_signed_certificate(directory)
+    # A grace far longer than the last test's calls take (its 2 x 200 tokens ran past the
+    # default 10 s once on a loaded machine, and were cancelled as the grace demands).
+    args = ["--host", "0.0.0.0", "--tls-cert", str(cert_path), "--tls-key", str(key_path),
+            "--shutdown-grace", "120"]  # fmt: skip
     server = start_generator_server(
-        tiny_llama,
-        directory / "server.log",
-        ["--host", "0.0.0.0", "--tls-cert", str(cert_path), "--tls-key", str(key_path)],
-        env={"JAXRLHF_GENERATOR_AUTH_TOKEN": TOKEN},
+        tiny_llama, directory / "server.log", args, env={"JAXRLHF_GENERATOR_AUTH_TOKEN": TOKEN}
     )
     server.root_certificates = cert_path.read_bytes()
     server.target = "localhost:" + server.address.rsplit(":", 1)[1]
@@ -144,7 +145,7 @@ def test_sigterm_lets_in_flight_calls_finish_then_exits_cleanly(secure_server):
     while client.status().num_requests_running < 2:
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    returncode = secure_server.terminate(timeout=60)
+    returncode = secure_server.terminate(timeout=150)
     thread.join(timeout=30)
     client.close()
     assert returncode == 0, secure_server.log_tail()
