@@ -565,11 +565,10 @@ def test_a_run_whose_service_died_runs_again_on_a_new_one(
         assert not (log.parent / "stale").exists()  # each attempt starts from an empty folder
         log.parent.mkdir(parents=True, exist_ok=True)
         (log.parent / "stale").write_text("")
-        if outcome[0] == "kill":  # the service dies under the run, which then fails
+        result = outcome.pop(0)
+        if result == "kill":  # the service dies under the run, which then fails
             next(s for s in started_services if s.address == address).exit_code = -9
-            outcome.pop(0)
-            return 1, 1.0
-        return (0 if outcome.pop(0) == "ok" else 1), 1.0
+        return (0 if result == "ok" else 1), 1.0
 
     monkeypatch.setattr(runner_module, "run_main", run_main)
     monkeypatch.setattr(runner_module, "main_command", lambda config, overrides: [
