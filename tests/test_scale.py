@@ -217,9 +217,9 @@ OFF_POLICY = {"old_logprobs": "learner", "is_low": 0.02, "is_high": 1.0}
 @pytest.mark.parametrize(
     "loss, loss_params",
     [("online_dpo", {}), ("ppo", {}),
-     ("grpo", {"is_correction": "mask", **OFF_POLICY}),
-     ("rloo", {"is_correction": "sequence_mask", **OFF_POLICY})],
-    ids=["online_dpo", "ppo", "grpo-mask", "rloo-sequence_mask"],
+     ("grpo", {"is_correction": "sequence_mask", **OFF_POLICY}),
+     ("rloo", {"is_correction": "mask", **OFF_POLICY})],
+    ids=["online_dpo", "ppo", "grpo-sequence_mask", "rloo-mask"],
 )  # fmt: skip
 def test_learner_micro_batches_from_the_config_equal_the_whole_batch(loss, loss_params, models):
     """`train.micro_batch_size=2` gives the gradient, update, loss and metrics of the whole

@@ -11,9 +11,13 @@ learner's recompute before the update is π_old of the PPO/RLOO/GRPO ratio
 - "truncate": each term weighted by min(r_t, cap) (truncated IS; Yao et al. 2025, "Your
   efficient RL framework secretly brings you off-policy RL training"); RLOO, whose ratio is
   per sequence, by min(Π_t r_t, cap).
-- "mask": a token's term is kept when low ≤ r_t ≤ high and dropped otherwise (two-sided token
-  masking: MIS, IcePop). RLOO drops the token from both sequence log-probs of its ratio, and
-  a sequence with no token kept.
+- "mask": two-sided masked importance sampling (MIS; IcePop; TRL's token_mask). A token's term
+  is weighted by M(r_t) = r_t when low ≤ r_t ≤ high, and dropped (M = 0) otherwise. PPO and
+  GRPO multiply each token's clipped surrogate by M(r_t). RLOO, whose ratio is per sequence,
+  weighs each token's log-prob by M(r_t) inside both sequence log-probs of its ratio,
+  ρ = exp(Σ_t M(r_t) (log π_θ(y_t) − log π_old(y_t))), so at the update's start its gradient is
+  −A Σ_t M(r_t) ∇log π_θ(y_t), the token-level MIS estimator; a sequence with no token kept
+  is dropped.
 - "sequence_mask": a sequence is kept whole when its geometric-mean ratio
   exp(Σ_t log r_t / |y|) lies in [low, high], and dropped whole otherwise (SkyRL's first step,
   verl's Geo-RS, slime's OPSM).
@@ -44,8 +48,8 @@ class Correction:
 
     loss_mask: [N, T−1] the response tokens whose terms are kept (the batch's own mask with
         dropped tokens and sequences zeroed).
-    weights: truncated IS weights ("truncate": [N, T−1] per token, or [N] per sequence), else
-        None.
+    weights: importance weights: "truncate" min(r, cap) ([N, T−1] per token, or [N] per
+        sequence), "mask" M(r_t) ([N, T−1], for every loss), else None.
     metrics: is_kept_fraction (of response tokens for "mask", of sequences for
         "sequence_mask", the share at or below the cap for "truncate"), is_ratio_mean and
         is_ratio_max (of the ratio the correction tests: r_t over response tokens, or per
@@ -83,8 +87,9 @@ def apply_correction(
     """The correction `kind` (module docstring) of a batch; None for "none".
 
     Token arrays [N, T−1], 0 off-response; `per`: "token" for the token-level losses (PPO,
-    GRPO), "sequence" for RLOO (truncation then weighs a sequence by its whole ratio; under
-    "mask" a sequence with no token kept has an empty mask, which RLOO drops).
+    GRPO), "sequence" for RLOO (truncation then weighs a sequence by its whole ratio; "mask"
+    keeps token weights, and a sequence with no token kept has an empty mask, which RLOO
+    drops).
     """
     if kind == "none":
         return None
@@ -107,7 +112,8 @@ def apply_correction(
     if kind == "mask":
         ratio = np.exp(log_ratio)
         inside = real & (ratio >= low) & (ratio <= high)
-        return Correction(mask * inside, None, _metrics(inside[real], ratio[real]))
+        weights = np.where(inside, ratio, 0.0).astype(np.float32)
+        return Correction(mask * inside, weights, _metrics(inside[real], ratio[real]))
     # "sequence_mask", tested on the mean log-ratio (no product of many ratios to overflow).
     lengths = real.sum(-1)
     mean_log = log_ratio.sum(-1) / np.maximum(lengths, 1)

@@ -67,14 +67,17 @@ class LossInputs:
 
 def corrected(inputs: LossInputs, cfg, per: str) -> dict[str, np.ndarray]:
     """The batch entries a correction replaces or adds: "loss_mask" (dropped tokens zeroed:
-    they leave every term of the loss and its normaliser) and "importance_weights"
-    (truncation); none for is_correction="none"."""
+    they leave every term of the loss and its normaliser), and the weights: "importance_weights"
+    (a factor of each term: per token, or per sequence for RLOO's truncation) or, for RLOO under
+    "mask", "token_weights" (factors of the token log-probs in its sequence log-probs); none
+    for is_correction="none"."""
     correction = inputs.correction(cfg, per)
     if correction is None:
         return {}
     out = {"loss_mask": correction.loss_mask}
     if correction.weights is not None:
-        out["importance_weights"] = correction.weights
+        per_token = per == "sequence" and correction.weights.ndim == 2
+        out["token_weights" if per_token else "importance_weights"] = correction.weights
     return out
 
 

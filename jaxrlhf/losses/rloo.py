@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.losses.common import clipped_surrogate, group_rewards, masked_mean, masked_sum
-from jaxrlhf.losses.inputs import LossInputs, corrected, masked_sequence_logprobs
+from jaxrlhf.losses.inputs import LossInputs, corrected
 
 
 def kl_penalized_rewards(
@@ -92,8 +92,9 @@ def prepare_rloo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
     """Every row with its leave-one-out advantage of the KL-penalised reward (the plain score
     when kl_coef is 0: no reference then), π_old's token log-probs, the off-policy correction
     cfg.is_correction (`jaxrlhf.losses.importance`: a sequence-level truncated weight
-    min(Π_t π_old/π_sampler, cap), or a loss mask without the dropped tokens or sequences),
-    and `kept`: 1 for a row with a token left in its mask (the rows the loss averages)."""
+    min(Π_t π_old/π_sampler, cap); a loss mask without the dropped tokens or sequences; and
+    under "mask", token weights M(r_t) on the sequence log-probs), and `kept`: 1 for a row
+    with a token left in its mask (the rows the loss averages)."""
     rewards = inputs.scores
     if cfg.kl_coef:
         rewards = kl_penalized_rewards(
@@ -108,10 +109,14 @@ def prepare_rloo(inputs: LossInputs, cfg) -> dict[str, np.ndarray]:
 
 
 def rloo_objective(models, cfg, params, batch):
-    """`rloo_loss` on the rows of `prepare_rloo`, with cfg.clip."""
+    """`rloo_loss` on the rows of `prepare_rloo`, with cfg.clip: the sequence log-probs
+    Σ_t w_t log π(y_t), w_t the loss mask times the token weights (under "mask")."""
+    weights = batch["loss_mask"]
+    if "token_weights" in batch:
+        weights = weights * batch["token_weights"]
     return rloo_loss(
-        masked_sequence_logprobs(models, params, batch),
-        (batch["old_logprobs"] * batch["loss_mask"]).sum(-1),
+        (models.logprobs(params, batch) * weights).sum(-1),
+        (batch["old_logprobs"] * weights).sum(-1),
         batch["advantages"], cfg.clip, importance_weights=batch.get("importance_weights"),
         kept=batch.get("kept"),
     )  # fmt: skip

@@ -234,13 +234,15 @@ def test_rloo(kl_coef, cap):
     close(grads["policy"]["theta"], table_grad(ids, dseq[:, None] * mask))
 
 
-def token_surrogate(inputs, advantages, cfg):
-    """PPO/GRPO's token-level clipped surrogate with truncated IS weights: (loss, metrics,
-    ∂loss/∂token log-probs), with every mean over the batch's response tokens."""
+def token_surrogate(inputs, advantages, cfg, weights=None):
+    """PPO/GRPO's token-level clipped surrogate with truncated IS weights (or the given
+    `weights`): (loss, metrics, ∂loss/∂token log-probs), with every mean over the batch's
+    response tokens."""
     mask, ids = inputs.loss_mask, inputs.input_ids
     log_ratio = (token_logprobs(ids) - inputs.old_logprobs) * mask
     losses, active, ratio, dlosses = clipped(log_ratio, advantages, cfg.clip)
-    weights = np.ones_like(mask)
+    if weights is None:
+        weights = np.ones_like(mask)
     if cfg.truncated_is_cap:
         weights = np.exp(inputs.old_logprobs - inputs.sampler_logprobs)
         weights = np.minimum(weights, cfg.truncated_is_cap) * mask
@@ -377,7 +379,8 @@ MASKS = {  # kind: (is_low, is_high), chosen so that the table's ratios fall on 
 
 
 def kept_by_hand(inputs, kind, low, high):
-    """The loss mask a masking correction leaves, and its is_* metrics, from the docstring."""
+    """The loss mask a masking correction leaves, its token weights (M(r_t) = r_t on kept
+    tokens under "mask", 1 under "sequence_mask"), and its is_* metrics, from the docstring."""
     mask = inputs.loss_mask
     real = mask > 0
     ratio = np.exp(inputs.old_logprobs.astype(np.float64) - inputs.sampler_logprobs)
@@ -391,13 +394,15 @@ def kept_by_hand(inputs, kind, low, high):
     assert 0 < kept.mean() < 1  # some kept, some dropped
     metrics = {"is_kept_fraction": kept.mean(), "is_ratio_mean": tested.mean(),
                "is_ratio_max": tested.max()}  # fmt: skip
-    return mask * inside, metrics
+    weights = np.where(inside, ratio, 0.0) if kind == "mask" else mask * inside
+    return mask * inside, weights, metrics
 
 
 @pytest.mark.parametrize("kind", MASKS)
 @pytest.mark.parametrize("name", ["ppo", "grpo", "rloo"])
 def test_masking_corrections(name, kind):
-    """A dropped token (sequence) leaves the loss mask: zero gradient, out of the normaliser."""
+    """A dropped token (sequence) leaves the loss mask: zero gradient, out of the normaliser;
+    a kept token's term is weighted by r_t under "mask" (inside RLOO's sequence log-probs)."""
     import dataclasses
 
     from jaxrlhf.losses import apply_correction
@@ -410,9 +415,13 @@ def test_masking_corrections(name, kind):
                       old_logprobs="learner", whiten_advantages=False, clip=0.2)  # fmt: skip
     batch, loss, metrics, grads = run(name, inputs, cfg)
 
-    kept_mask, expected_metrics = kept_by_hand(inputs, kind, low, high)
+    kept_mask, weights, expected_metrics = kept_by_hand(inputs, kind, low, high)
     assert_array_equal(batch["loss_mask"], kept_mask)
-    assert "importance_weights" not in batch
+    weight_key = "token_weights" if name == "rloo" else "importance_weights"
+    if kind == "mask":
+        close(batch[weight_key] * kept_mask, weights)
+    else:
+        assert weight_key not in batch
     correction = apply_correction(kind, inputs.old_logprobs, inputs.sampler_logprobs,
                                   inputs.loss_mask, "token", low=low, high=high)  # fmt: skip
     for key, value in expected_metrics.items():
@@ -425,10 +434,10 @@ def test_masking_corrections(name, kind):
         assert get_loss_spec("rloo").batch_weight(batch) == rows.sum()
         grouped = scores.reshape(-1, k).astype(np.float64)
         advantages = (grouped - (grouped.sum(1, keepdims=True) - grouped) / (k - 1)).ravel()
-        log_ratio = seq(token_logprobs(ids), kept_mask) - seq(inputs.old_logprobs, kept_mask)
+        log_ratio = seq(token_logprobs(ids), weights) - seq(inputs.old_logprobs, weights)
         losses, _, _, dlosses = clipped(log_ratio, advantages, cfg.clip)
         close(loss, losses[rows].mean())
-        dtokens = (rows * dlosses / rows.sum())[:, None] * kept_mask
+        dtokens = (rows * dlosses / rows.sum())[:, None] * weights
     else:
         assert get_loss_spec(name).batch_weight(batch) == kept_mask.sum()
         if name == "grpo":
@@ -441,7 +450,7 @@ def test_masking_corrections(name, kind):
             last = [np.flatnonzero(row)[-1] for row in inputs.loss_mask]
             rewards[np.arange(len(ids)), last] += scores
             advantages, _ = gae(rewards, inputs.old_values, inputs.loss_mask, cfg.gamma, cfg.lam)
-        policy_loss, expected, dtokens = token_surrogate(kept_inputs, advantages, cfg)
+        policy_loss, expected, dtokens = token_surrogate(kept_inputs, advantages, cfg, weights)
         close(metrics["policy_loss"] if name == "ppo" else loss, policy_loss)
         for key, value in expected.items():
             close(metrics[key], value)
