@@ -350,6 +350,32 @@ def test_runs_are_reused_only_with_the_same_settings(tmp_path):
     assert not finished_with(folder, {**overrides, "num_mini_batches": 4})
 
 
+def test_code_version_ignores_records_and_documents(tmp_path):
+    """ "+changes" marks an edit of code, not of results/ or a Markdown document."""
+    import subprocess
+
+    from jaxrlhf.experiments import code_version
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                       check=True, capture_output=True)  # fmt: skip
+
+    files = {"code.py": "x = 1\n", "README.md": "a\n", "docs/NOTES.md": "a\n",
+             "results/run/summary.json": "{}\n"}  # fmt: skip
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    assert len(code_version(tmp_path)) == 7
+    for name in ("README.md", "docs/NOTES.md", "results/run/summary.json"):
+        (tmp_path / name).write_text("b\n")
+    assert not code_version(tmp_path).endswith("+changes")
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert code_version(tmp_path).endswith("+changes")
+
+
 def test_a_run_records_the_code_it_ran(tmp_path):
     """run_main writes the commit under the command in the run's log (what git itself says);
     the runner's entries carry it, and the summary counts the runs per commit."""

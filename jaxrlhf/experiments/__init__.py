@@ -110,18 +110,23 @@ def main_command(config_file: str | Path, overrides: Mapping[str, Any]) -> list[
 CODE_LINE = "# code: "  # the second line of a run's log: the code it ran (`code_version`)
 
 
-def code_version() -> str:
-    """The repository's commit, abbreviated, with "+changes" when tracked files differ from it
-    ("unknown" outside a git checkout): what an experiment's run ran, since an experiment may
-    span commits (its runs are reused until their overrides change)."""
+# What "+changes" ignores: the records experiments write and the documents (not code).
+NOT_CODE = (":(exclude)results", ":(exclude,glob)**/*.md")
+
+
+def code_version(repo: Path = REPO) -> str:
+    """The repository's commit, abbreviated, with "+changes" when tracked files other than
+    results/ and Markdown documents (`NOT_CODE`) differ from it ("unknown" outside a git
+    checkout): what an experiment's run ran, since an experiment may span commits (its runs are
+    reused until their overrides change, and its own records change as it runs)."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
                               timeout=60, check=True).stdout.strip()  # fmt: skip
 
     try:
         commit = git("rev-parse", "--short=7", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_CODE)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return commit + ("+changes" if changed else "")
