@@ -26,7 +26,8 @@ at the end. Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to 
 - `generation-bound`: the default with every response exactly 16 tokens
   (`rollout.min_response_tokens=16`, no missing-EOS penalty, so the reward still comes from the
   answer) and an engine capacity of one sequence (`generator.max_num_seqs=1`): a batch takes
-  32 rounds of generation, longer than one update. Each run's `learner_idle_fraction` (printed)
+  32 rounds of generation, longer than one update (and a Generate deadline of 600 s, since a
+  call waits behind the others at that capacity). Each run's `learner_idle_fraction` (printed)
   shows how generation-bound it was. Its KL is computed from the learner's recompute of the
   samples' log-probs (`loss_params.old_logprobs=learner`, one more forward per batch): the
   sampler's, under min_tokens, are of a distribution without EOS.
@@ -75,6 +76,11 @@ WORKLOADS = {
         "rollout.min_response_tokens": 16,
         "loss_params.missing_eos_penalty": False,
         "generator.max_num_seqs": 1,
+        # A prompt's Generate call waits in the engine's queue behind the batch's other
+        # prompts, one sequence at a time: the default per-call deadline (30 s + rows ×
+        # max_tokens / 50) does not count that wait, and expired calls made the run fail over
+        # to no replica and back, every few steps.
+        "generator.generate_timeout_s": 600.0,
         # The sampler's log-probs under min_tokens are of a distribution with EOS masked out:
         # the learner's own recompute gives the KL (rollout.min_response_tokens in config.py).
         "loss_params.old_logprobs": "learner",
