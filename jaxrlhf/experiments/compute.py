@@ -25,11 +25,13 @@ at the end. Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to 
   pair is trained on).
 - `generation-bound`: the default with every response exactly 16 tokens
   (`rollout.min_response_tokens=16`, no missing-EOS penalty, so the reward still comes from the
-  answer) and an engine capacity of 4 sequences (`generator.max_num_seqs=4`): a batch of 32
-  takes 8 rounds of generation, longer than one update (and a Generate deadline of 600 s,
-  since a call waits behind the others at that capacity). At a capacity of 1 the greedy
-  evaluations (960 prompts, one at a time) took about a quarter of an hour each, and a batch
-  55 s. Each run's `learner_idle_fraction` (printed)
+  answer) and an engine capacity of 4 sequences (`generator.max_num_seqs=4`; a batch of 32
+  takes 8 rounds of generation), with a Generate deadline of 600 s, since a call waits behind
+  the others at that capacity. On the 2-core development machine this is NOT yet
+  generation-bound: its first run (results/compute_updates, 1 update per batch) generated a
+  batch in 25 s against a learner step of 31 s, and the learner never waited
+  (learner_idle_fraction 0). At a capacity of 1 it was (a batch in 55 s), but each greedy
+  evaluation (960 prompts, one at a time) then took about a quarter of an hour. Each run's `learner_idle_fraction` (printed)
   shows how generation-bound it was. Its KL is computed from the learner's recompute of the
   samples' log-probs (`loss_params.old_logprobs=learner`, one more forward per batch): the
   sampler's, under min_tokens, are of a distribution without EOS.
