@@ -369,6 +369,13 @@ class GeneratorEngine:
                 "seed_per_request is not available on vLLM's CPU backend (a request with its "
                 "own seed in a chunked prefill kills the engine); send `seed` alone",
             )
+        if sampling.max_running and self.in_flight:
+            raise GenerateError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f'max_running={sampling.max_running} needs "drain" swaps: under "in-flight" '
+                "ones a sample submitted after a swap would run on weights its call was not "
+                "admitted under",
+            )
 
     def _sampling_params(
         self, sampling: Sampling, seed: int | None = None, max_tokens: int | None = None
@@ -437,6 +444,15 @@ class GeneratorEngine:
             calls = contextlib.nullcontext()
             if in_flight:
                 calls = self._calls.write() if seeded else self._calls.read()
+            requests = [
+                _Request(f"{call_id}-{prompt_index}-{sample_index}", prompt_index, prompt_id,
+                         list(token_ids), sample_index)
+                for prompt_index, (prompt_id, token_ids) in enumerate(prompts)
+                for sample_index in range(sampling.n)
+            ]  # fmt: skip
+            # GenerateRequest.max_running: the first `limit` go in at once, the rest as slots
+            # free (one by one; a seeded call's in whole groups, each admitted together).
+            limit = sampling.max_running or len(requests)
             async with calls, contextlib.AsyncExitStack() as held:
                 await held.enter_async_context(self._gate.write() if alone else self._gate.read())
                 if not self.serving:
@@ -446,47 +462,67 @@ class GeneratorEngine:
                         "send a complete weight update",
                     )
                 version = self.policy_version
+                paused = False
                 if seeded:
                     # Requests queue while the scheduler is paused and are admitted together
                     # on resume: the same batches every time, drawing from a re-seeded RNG.
                     await self._llm.pause_generation(mode="keep", clear_cache=False)
+                    paused = True
                 try:
                     async with asyncio.TaskGroup() as group:
                         submitted: list[str] = []
-                        try:
-                            for prompt_index, (prompt_id, token_ids) in enumerate(prompts):
-                                for sample_index in range(sampling.n):
-                                    request = _Request(
-                                        f"{call_id}-{prompt_index}-{sample_index}",
-                                        prompt_index, prompt_id, list(token_ids), sample_index,
-                                    )  # fmt: skip
-                                    collector = await self._submit(
-                                        request, request_params(prompt_index, sample_index),
-                                        version,
-                                    )  # fmt: skip
-                                    submitted.append(collector.request_id)
+                        freed = asyncio.Semaphore(0)  # one release per ended request
+
+                        async def submit(batch: Sequence[_Request]) -> list[asyncio.Task]:
+                            tasks = []
+                            for request in batch:
+                                collector = await self._submit(
+                                    request, request_params(request.prompt_index,
+                                                            request.sample_index), version,
+                                )  # fmt: skip
+                                submitted.append(collector.request_id)
+                                tasks.append(
                                     group.create_task(
-                                        self._collect(queue, request, collector, version)
+                                        self._collect(queue, request, collector, version, freed)
                                     )
+                                )
+                            return tasks
+
+                        try:
+                            wave = await submit(requests[:limit])
+                            if seeded:
+                                await self._llm.collective_rpc(
+                                    "jaxrlhf_reseed", kwargs={"seed": sampling.seed % (1 << 63)}
+                                )
+                            if paused:
+                                await self._llm.resume_generation()
+                                paused = False
+                            if in_flight:
+                                # In the engine: a swap may now proceed under them.
+                                await held.aclose()
+                            if on_admitted is not None:
+                                await on_admitted(version)
+                            admitted.set()
+                            for start in range(limit, len(requests), limit):
+                                if seeded:
+                                    await asyncio.wait(wave)
+                                    await self._llm.pause_generation(mode="keep",
+                                                                     clear_cache=False)  # fmt: skip
+                                    paused = True
+                                    wave = await submit(requests[start : start + limit])
+                                    await self._llm.resume_generation()
+                                    paused = False
+                                    continue
+                                for request in requests[start : start + limit]:
+                                    await freed.acquire()
+                                    await submit([request])
                         except BaseException:
                             # The call's requests already in the engine go with it (their
                             # collectors may be cancelled before they ever ran).
                             await asyncio.shield(self._llm.abort(submitted, internal=True))
                             raise
-                        if seeded:
-                            await self._llm.collective_rpc(
-                                "jaxrlhf_reseed", kwargs={"seed": sampling.seed % (1 << 63)}
-                            )
-                            await self._llm.resume_generation()
-                            seeded = False
-                        if in_flight:
-                            # In the engine: a swap may now proceed under them.
-                            await held.aclose()
-                        if on_admitted is not None:
-                            await on_admitted(version)
-                        admitted.set()
                 finally:
-                    if seeded:
+                    if paused:
                         await self._llm.resume_generation()
 
         def ended(_) -> None:
@@ -519,9 +555,17 @@ class GeneratorEngine:
         request.submitted = time.time()
         return await self._llm.add_request(request.request_id, prompt, params)
 
-    async def _collect(self, queue: asyncio.Queue, request: _Request, collector, version: int):
+    async def _collect(
+        self,
+        queue: asyncio.Queue,
+        request: _Request,
+        collector,
+        version: int,
+        freed: asyncio.Semaphore,
+    ):
         """Waits for the request's final output (as vLLM's `AsyncLLM.generate` does) and queues
-        its Sample; aborts the request if the call goes away first."""
+        its Sample, then releases `freed` (its slot of the call); aborts the request if the call
+        goes away first."""
         final = None
         self.occupancy.started()
         try:
@@ -533,6 +577,7 @@ class GeneratorEngine:
         finally:
             self.occupancy.finished()
         queue.put_nowait(self._sample(request, final, version))
+        freed.release()
 
     def _sample(self, request: _Request, final, version: int) -> Sample:
         if final is None or not final.outputs:

@@ -38,6 +38,7 @@ class Sampling:
     seed_per_request: bool = False  # with `seed` (GenerateRequest.seed_per_request)
     # Per prompt (Prompt.max_tokens; 0 = max_tokens), or () when no prompt sets one.
     prompt_max_tokens: tuple[int, ...] = ()
+    max_running: int = 0  # the call's samples in the engine at once (0 = all; GenerateRequest)
 
     def max_tokens_of(self, prompt_index: int) -> int:
         limits = self.prompt_max_tokens

@@ -99,6 +99,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             min_tokens=options.min_tokens,
             seed=request.seed if request.HasField("seed") else None,
             seed_per_request=request.seed_per_request,
+            max_running=request.max_running,
             prompt_max_tokens=(
                 tuple(p.max_tokens for p in request.prompts)
                 if any(p.max_tokens for p in request.prompts)

@@ -94,6 +94,11 @@ def base_config() -> ml_collections.ConfigDict:
         # metric, read from them unless loss_params.old_logprobs="learner", runs high (about
         # 1.5 nats at step 1 of that workload, where it is 0 without it).
         min_response_tokens=0,
+        # At most this many of a rollout call's samples in a generator's engine at once (0 = no
+        # limit; GenerateRequest.max_running): a slower sampler than the engine, for rollouts
+        # only, while evaluations still get the whole engine (the compute experiment's
+        # generation-bound workload). Needs "drain" swaps.
+        max_running=0,
         weight_sync_dtype="",  # published weights: "" = the compute dtype (model.dtype)
         # Seeded generation calls: batch i's samples depend only on (seed, i, weights), so a
         # resumed run regenerates exactly; each call then runs alone on its replica.
@@ -315,6 +320,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for key in ("capacity", "max_num_seqs"):
         value = config.generator[key]
         _require(value >= 0, f"config.generator.{key}={value}: must be >= 0 (0 = the engine's)")
+    running = config.rollout.max_running
+    _require(running >= 0, f"config.rollout.max_running={running}: must be >= 0 (0 = no limit)")
+    _require(
+        not running or config.generator.swap_mode == "drain",
+        f'config.rollout.max_running={running} needs config.generator.swap_mode="drain" '
+        f"(got {config.generator.swap_mode!r}): under in-flight swaps a sample submitted "
+        "late in its call would run on newer weights than its call was admitted under",
+    )
     reserved = config.generator.cpu_reserved_cores
     _require(
         reserved >= -1,

@@ -777,8 +777,9 @@ def test_compute_plans_each_variant_one_step_off(tmp_path):
         ("train.updates_per_batch=4", 0), ("train.updates_per_batch=4", 1)]  # fmt: skip
     overrides = runs[3].overrides
     assert overrides["train.updates_per_batch"] == "4" and overrides["max_staleness"] == 1
-    assert overrides["generator.max_num_seqs"] == 4 and overrides["eval.test_every"] == 4
-    assert overrides["generator.generate_timeout_s"] == 600  # a call queues behind the others
+    assert overrides["rollout.max_running"] == 1 and overrides["eval.test_every"] == 4
+    assert "generator.max_num_seqs" not in overrides  # evaluations get the whole engine
+    assert overrides["generator.generate_timeout_s"] == 600  # a call's samples one by one
     assert overrides["loss_params.old_logprobs"] == "learner"  # the KL from the learner
     assert runs[3].folder == tmp_path / "train.updates_per_batch=4" / "seed1"
     from jaxrlhf.config import validate

@@ -138,12 +138,16 @@ def test_generators_in_another_swap_mode_are_refused():
             "config.rollout.min_response_tokens=17: must be in [0, max_response_tokens=16]",
         ),
         ("generator.cpu_reserved_cores", -2, "config.generator.cpu_reserved_cores=-2: must be"),
+        ("rollout.max_running", -1, "config.rollout.max_running=-1: must be >= 0"),
+        ("generator.swap_mode", "in-flight",
+         'config.rollout.max_running=2 needs config.generator.swap_mode="drain"'),
     ],
-)
+)  # fmt: skip
 def test_generator_settings_are_checked(key, value, message):
     from jaxrlhf.config import ConfigError, base_config, validate
 
     config = base_config()
+    config.rollout.max_running = 2  # (valid under the default "drain" swaps)
     section, name = key.split(".")
     config[section][name] = value
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -3,10 +3,10 @@
     # training-bound (the offline default): Online DPO with K = 2 vs 4 samples per prompt
     python -m jaxrlhf.experiments.compute --vary rollout.samples_per_prompt=2,4 \
         --steps 16 --eval-every 4 --seeds 0,1,2 --out runs/compute_k
-    # generation-bound: 1, 2 and 4 updates per batch
+    # generation-bound: 1, 2 and 4 updates per batch, generator and learner on a core each
     python -m jaxrlhf.experiments.compute --workload generation-bound \
-        --vary train.updates_per_batch=1,2,4 --steps 16 --eval-every 4 --seeds 0,1,2 \
-        --out runs/compute_updates
+        --vary train.updates_per_batch=1,2,4 --steps 16 --eval-every 8 --seeds 0,1,2 \
+        --cpus-generator 1 --cpus-learner 0 --out runs/compute_updates
     # a pipeline check on the tiny random model (no learning signal)
     python -m jaxrlhf.experiments.compute --model tiny --vary rollout.samples_per_prompt=2,4 \
         --steps 2 --eval-every 1 --seeds 0 --out /tmp/compute-tiny
@@ -25,16 +25,21 @@ at the end. Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to 
   pair is trained on).
 - `generation-bound`: the default with every response exactly 16 tokens
   (`rollout.min_response_tokens=16`, no missing-EOS penalty, so the reward still comes from the
-  answer) and an engine capacity of 4 sequences (`generator.max_num_seqs=4`; a batch of 32
-  takes 8 rounds of generation), with a Generate deadline of 600 s, since a call waits behind
-  the others at that capacity. On the 2-core development machine this is NOT yet
-  generation-bound: its first run (results/compute_updates, 1 update per batch) generated a
-  batch in 25 s against a learner step of 31 s, and the learner never waited
-  (learner_idle_fraction 0). At a capacity of 1 it was (a batch in 55 s), but each greedy
-  evaluation (960 prompts, one at a time) then took about a quarter of an hour. Each run's `learner_idle_fraction` (printed)
-  shows how generation-bound it was. Its KL is computed from the learner's recompute of the
-  samples' log-probs (`loss_params.old_logprobs=learner`, one more forward per batch): the
-  sampler's, under min_tokens, are of a distribution without EOS.
+  answer), its rollouts sampled one sequence at a time (`rollout.max_running=1`: a call's
+  samples go through the engine one after another, GenerateRequest.max_running, while the
+  greedy evaluations get the whole engine), and a Generate deadline of 600 s (a call takes its
+  samples' times added up). Run it with the generator and the learner on cores of their own
+  (`--cpus-generator 1 --cpus-learner 0` on 2 cores), as on separate devices: shared, each
+  slows the other and no side waits for the other alone. So measured on the development
+  machine (4 updates each, `--config.eval.at_start=false`): a batch of 32 samples generated in
+  42 s, against a learner step of 27-33 s at 1 update per batch (`learner_idle_fraction` 0.2-0.5
+  after the first step). Earlier designs were not generation-bound: an engine of 4 sequences
+  for everything (`generator.max_num_seqs=4`) generated a batch in 25 s against a learner step
+  of 31 s, unpinned (learner_idle_fraction 0), and 14 s against 28 s pinned; at an engine of 1
+  sequence, each greedy evaluation of 960 prompts took about a quarter of an hour. Each run's
+  `learner_idle_fraction` (printed) shows how generation-bound it was. Its KL is computed from
+  the learner's recompute of the samples' log-probs (`loss_params.old_logprobs=learner`, one
+  more forward per batch): the sampler's, under min_tokens, are of a distribution without EOS.
 
 Time is the learner's: the sum of `step_s` (waiting for the batch, the update, publishing)
 over the steps, evaluations excluded. A one-step-off producer keeps generating while the
@@ -79,11 +84,12 @@ WORKLOADS = {
     "generation-bound": {
         "rollout.min_response_tokens": 16,
         "loss_params.missing_eos_penalty": False,
-        "generator.max_num_seqs": 4,
-        # A prompt's Generate call waits in the engine's queue behind the batch's other
-        # prompts, one sequence at a time: the default per-call deadline (30 s + rows ×
-        # max_tokens / 50) does not count that wait, and expired calls made the run fail over
-        # to no replica and back, every few steps.
+        # A rollout call's samples go through the engine one at a time (GenerateRequest.
+        # max_running); evaluations get the whole engine.
+        "rollout.max_running": 1,
+        # So a call takes the time of its samples one after another: the default per-call
+        # deadline (30 s + rows × max_tokens / 50) does not count that, and expired calls made
+        # the run fail over to no replica and back, every few steps.
         "generator.generate_timeout_s": 600.0,
         # The sampler's log-probs under min_tokens are of a distribution with EOS masked out:
         # the learner's own recompute gives the KL (rollout.min_response_tokens in config.py).

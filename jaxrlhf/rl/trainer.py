@@ -54,7 +54,7 @@ class RunResult:
 
 def _sampling(config) -> dict[str, Any]:
     rollout = config.rollout
-    return dict(
+    sampling = dict(
         n=rollout.samples_per_prompt,
         temperature=rollout.temperature,
         top_p=1.0,
@@ -62,6 +62,9 @@ def _sampling(config) -> dict[str, Any]:
         max_tokens=rollout.max_response_tokens,
         min_tokens=rollout.min_response_tokens,
     )
+    if rollout.max_running:
+        sampling["max_running"] = rollout.max_running
+    return sampling
 
 
 def prompts_for_batch_fn(

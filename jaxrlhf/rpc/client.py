@@ -87,9 +87,10 @@ class GeneratorClient:
         timeout: float | None = None,
         seed: int | None = None,
         seed_per_request: bool = False,
+        max_running: int = 0,
     ) -> Iterator[generator_pb2.Completion]:
         """Streams completions as they finish; plain token lists get ids "0", "1", ...
-        (`seed`, `seed_per_request`: GenerateRequest's.)"""
+        (`seed`, `seed_per_request`, `max_running`: GenerateRequest's.)"""
         prompt_messages = [
             prompt
             if isinstance(prompt, generator_pb2.Prompt)
@@ -110,6 +111,7 @@ class GeneratorClient:
             ),
             seed=seed,
             seed_per_request=seed_per_request,
+            max_running=max_running,
         )
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 

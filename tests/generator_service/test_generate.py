@@ -210,6 +210,58 @@ def test_each_prompt_may_have_its_own_max_tokens(client, served):
                        for k in range(2)}  # fmt: skip
 
 
+def _most_at_once(completions) -> int:
+    """The most of these samples in the engine at one moment, from the spans the server stamps
+    on them (submitted to the engine .. finished); a span ending as another starts is not an
+    overlap."""
+    events = sorted([(c.submitted_unix_time, 1) for c in completions]
+                    + [(c.finished_unix_time, -1) for c in completions])  # fmt: skip
+    running = most = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    return most
+
+
+def test_max_running_limits_its_call_and_not_the_engine(client, served):
+    """A call with max_running=2 never has more than 2 of its 6 samples in the engine, and
+    returns them all, whole; a call without a limit, running beside it, has all 4 of its
+    samples in the engine at once."""
+    limited: list = []
+    thread = threading.Thread(target=lambda: limited.extend(client.generate(
+        [[5, 6, 7], [8, 9], [10, 11, 12]], max_tokens=24, n=2, temperature=1.0,
+        ignore_eos=True, max_running=2, timeout=300)))  # fmt: skip
+    thread.start()
+    deadline = time.monotonic() + 60
+    while client.status().num_requests_running < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    free = list(client.generate([[13, 14], [15], [16, 17], [18]], max_tokens=8, temperature=1.0,
+                                ignore_eos=True, timeout=300))  # fmt: skip
+    thread.join(timeout=300)
+    assert sorted((c.prompt_index, c.sample_index) for c in limited) == [
+        (p, k) for p in range(3) for k in range(2)
+    ]
+    assert all(len(c.token_ids) == 24 for c in limited)
+    assert _most_at_once(limited) == 2
+    assert len(free) == 4 and _most_at_once(free) == 4
+
+
+def test_seeded_calls_with_max_running_are_reproducible(client, served):
+    """A seeded call fed to the engine 3 samples at a time (4 groups, each admitted together)
+    gives the same tokens for the same seed, other tokens for another."""
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [20, 21], [22], [23, 24]]
+
+    def sample(seed):
+        completions = list(client.generate(prompts, max_tokens=10, n=2, temperature=1.0,
+                                           seed=seed, max_running=3))  # fmt: skip
+        assert _most_at_once(completions) <= 3
+        return sorted((c.prompt_index, c.sample_index, tuple(c.token_ids)) for c in completions)
+
+    first, again, other = sample(7), sample(7), sample(8)
+    assert len(first) == 12 and first == again
+    assert first != other
+
+
 def test_completions_that_finish_during_admission_wait_for_it(client, served):
     """Many 1-token requests in one call: the first finish while the last are still being
     submitted, before the call's initial metadata is sent; they are held until it is (two

@@ -152,6 +152,16 @@ def test_status_reports_the_mode(in_flight):
     assert status.staged_swaps_off == ("" if in_flight.stage else "started with --no-stage")
 
 
+def test_max_running_is_refused_under_in_flight_swaps(in_flight):
+    """A sample submitted late in its call could start after a swap (GenerateRequest.max_running):
+    refused by name, and the server goes on serving."""
+    with pytest.raises(grpc.RpcError) as caught:
+        list(in_flight.client.generate([[5, 6]], max_tokens=2, n=2, max_running=1))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert 'max_running=1 needs "drain" swaps' in caught.value.details()
+    assert len(_greedy(in_flight.client, [[5, 6]], max_tokens=2)) == 1
+
+
 def test_a_swap_lands_in_a_running_generation(in_flight, reference):
     old, old_version = in_flight.tensors, in_flight.version
     new = perturbed(old, seed=11)
