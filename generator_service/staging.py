@@ -32,7 +32,10 @@ a layout that does not match, an unsupported model) leaves the serving weights u
 Memory: one more copy of the weights while a stage is held (on CPU: the packed form of every
 linear weight, the embedding, and one layer at a time in the checkpoint layout), from the
 worker's allocator, which keeps what the previous stage freed for the next one
-(`memory.keep_freed_memory`). `--no-stage` (generator_service) keeps the one-copy reload.
+(`memory.keep_freed_memory`). A stage's shadow modules are emptied as soon as its commit is
+planned (`release_shadows`), so that the stage is freed by reference counting when it is
+dropped, not by Python's rare full collection. `--no-stage` (generator_service) keeps the
+one-copy reload.
 
 Unsupported (staging refuses; the engine then reloads in the pause as before): quantized
 models, LoRA, a model not loaded by vLLM's recorded metadata, and torch.compile on CPU (the
@@ -203,8 +206,23 @@ def build_shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list, dict]:
         return shadow
 
     device = None
-    root = clone(model)
+    try:
+        root = clone(model)
+    except BaseException:
+        release_shadows(shadows.values())
+        raise
     return root, pairs, devices
+
+
+def release_shadows(modules) -> None:
+    """Empties each shadow module, once the stage has planned its commit (or failed): its
+    tensors' weight loaders are bound to it, a reference cycle that would keep it, its
+    checkpoint-layout tensors and the packed linears its processing made (and the next
+    commit retires) alive until Python's rare full collection: a worker grew by about the
+    packed model at every swap (0.4-0.5 GB with SmolLM2-135M in float32) until the kernel
+    killed it. What the commit needs (the new tensors, the new attributes) it holds itself."""
+    for module in modules:
+        module.__dict__.clear()
 
 
 def materialize(modules, devices: dict, made: weakref.WeakValueDictionary) -> None:
@@ -360,10 +378,16 @@ class Stage:
         process each module once all of its tensors are loaded, which frees its
         checkpoint-layout copy before the next layer is loaded (so the next reuses that memory
         instead of faulting in fresh pages)."""
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
         started = time.monotonic()
         shadow, pairs, devices = build_shadow(self.model)
+        try:
+            self._load_and_plan(started, shadow, pairs, devices)
+        finally:
+            release_shadows(module for _, module in pairs)
+
+    def _load_and_plan(self, started: float, shadow, pairs, devices) -> None:
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
         names = {id(module): name for name, module in shadow.named_modules()}
         made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         loaded: set[int] = set()

@@ -14,6 +14,11 @@ probe below can read the live model between the worker's RPCs.
   tensors at a time, as the server does for a streamed update) loads each layer once all its
   tensors have come, waits for the rest, takes them in any order, and commits the same weights;
   a tensor the update was not to carry fails it.
+- Nothing of a stage outlives it: after each commit and drop, and after a failed stage is
+  dropped, the only packed linears left in the process are the live model's, with Python's
+  cycle collector off (a stage that left a reference cycle behind kept its shadow modules and
+  their packed weights until a rare full collection: a worker grew by about the packed model
+  at every swap).
 """
 
 from __future__ import annotations
@@ -72,6 +77,12 @@ def test_staging_is_invisible_until_the_commit(tiny_llama, tmp_path):
     assert report["unexpected_state"] == "failed"
     assert "unexpected" in report["unexpected_error"]
 
+    # Freed without the cycle collector: only the live model's packed linears are left.
+    assert set(report["packed"]) == {"commit", "bad", "dropped", "fed", "unexpected"}
+    for moment, packed in report["packed"].items():
+        assert packed["live"] == len(before["linears"]), moment
+        assert packed["alive"] == packed["live"], f"{moment}: a stage left {packed} alive"
+
 
 # ---- the probe, run in its own process -------------------------------------------------------
 
@@ -102,6 +113,23 @@ def _snapshot(worker) -> dict:
     }
 
 
+def _packed_linears(worker) -> dict:
+    """How many packed linears (vLLM's `cpu_linear` closures) are alive in the process, even
+    as garbage awaiting the cycle collector, and how many of them the live model holds."""
+    import gc
+    import types
+
+    model = worker.model_runner.get_model()
+    alive = {
+        id(o)
+        for o in gc.get_objects()
+        if type(o) is types.FunctionType
+        and o.__qualname__.startswith("dispatch_cpu_unquantized_gemm.")
+    }
+    live = {id(m.cpu_linear) for m in model.modules() if "cpu_linear" in m.__dict__}
+    return {"alive": len(alive), "live": len(live & alive)}
+
+
 def _write(folder, tensors: dict, name: str):
     path = os.path.join(folder, name)
     manifest, position = [], 0
@@ -114,6 +142,7 @@ def _write(folder, tensors: dict, name: str):
 
 
 def _probe(model_dir: str, folder: str) -> dict:
+    import gc
     import time
 
     from safetensors.numpy import load_file
@@ -151,6 +180,11 @@ def _probe(model_dir: str, folder: str) -> dict:
     rng = np.random.default_rng(0)
     new = {k: (v + rng.normal(0, 0.05, v.shape)).astype(np.float32) for k, v in base.items()}
     report: dict = {"base_greedy": greedy()[0], "before": llm.collective_rpc(_snapshot)[0]}
+    report["packed"] = {}
+    gc.disable()  # what a stage leaves behind must be freed without the cycle collector
+
+    def packed(moment):
+        report["packed"][moment] = llm.collective_rpc(_packed_linears)[0]
 
     path, manifest = _write(folder, new, "new")
     assert stage_whole(path, manifest) == ""
@@ -158,6 +192,7 @@ def _probe(model_dir: str, folder: str) -> dict:
     report["while_staged"] = llm.collective_rpc(_snapshot)[0]
     rpc("jaxrlhf_commit_staged")
     rpc("jaxrlhf_drop_staged")
+    packed("commit")
     report["after_commit"] = llm.collective_rpc(_snapshot)[0]
     report["staged_greedy"], report["staged_logprobs"] = greedy()
 
@@ -178,11 +213,13 @@ def _probe(model_dir: str, folder: str) -> dict:
     status = wait()
     report["bad_state"], report["bad_error"] = status["state"], status["error"]
     rpc("jaxrlhf_drop_staged")
+    packed("bad")
     report["after_bad"] = llm.collective_rpc(_snapshot)[0]
     report["after_bad_greedy"] = greedy()[0]
     assert stage_whole(base_path, base_manifest) == ""
     report["next_state"] = wait()["state"]
-    rpc("jaxrlhf_drop_staged")
+    rpc("jaxrlhf_drop_staged")  # done, dropped uncommitted
+    packed("dropped")
 
     # Staged as it arrives: begun knowing only the names, fed a few tensors at a time.
     names = [entry[0] for entry in base_manifest]
@@ -203,6 +240,7 @@ def _probe(model_dir: str, folder: str) -> dict:
     report["fed_state"] = wait()["state"]
     rpc("jaxrlhf_commit_staged")
     rpc("jaxrlhf_drop_staged")
+    packed("fed")
     report["fed_greedy"] = greedy()[0]
 
     # A tensor the update does not have fails the stage.
@@ -211,6 +249,7 @@ def _probe(model_dir: str, folder: str) -> dict:
     status = wait()
     report["unexpected_state"], report["unexpected_error"] = status["state"], status["error"]
     rpc("jaxrlhf_drop_staged")
+    packed("unexpected")
     return report
 
 
