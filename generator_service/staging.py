@@ -218,9 +218,8 @@ def release_shadows(modules) -> None:
     """Empties each shadow module, once the stage has planned its commit (or failed): its
     tensors' weight loaders are bound to it, a reference cycle that would keep it, its
     checkpoint-layout tensors and the packed linears its processing made (and the next
-    commit retires) alive until Python's rare full collection: a worker grew by about the
-    packed model at every swap (0.4-0.5 GB with SmolLM2-135M in float32) until the kernel
-    killed it. What the commit needs (the new tensors, the new attributes) it holds itself."""
+    commit retires) alive until Python's rare full collection, and a long-lived worker's
+    memory grew with its swaps until the kernel killed it. What the commit needs (the new tensors, the new attributes) it holds itself."""
     for module in modules:
         module.__dict__.clear()
 
