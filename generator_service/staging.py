@@ -219,7 +219,8 @@ def release_shadows(modules) -> None:
     tensors' weight loaders are bound to it, a reference cycle that would keep it, its
     checkpoint-layout tensors and the packed linears its processing made (and the next
     commit retires) alive until Python's rare full collection, and a long-lived worker's
-    memory grew with its swaps until the kernel killed it. What the commit needs (the new tensors, the new attributes) it holds itself."""
+    memory grew with its swaps until the kernel killed it. What the commit needs (the new
+    tensors, the new attributes) it holds itself."""
     for module in modules:
         module.__dict__.clear()
 

@@ -275,6 +275,34 @@ def test_offpolicy_corrections_axis(tmp_path):
         offpolicy._parse_args(["--corrections", "clip"])
 
 
+def test_offpolicy_continuous_generation_plans_beside_the_batch_runs(tmp_path):
+    """--generation continuous: the same rows, seeds and N with continuous generation and
+    in-flight swaps, in {out}/continuous/; a config the run accepts."""
+    from jaxrlhf.config import base_config, resolve, validate
+
+    argv = ["--losses", "online_dpo,grpo", "--corrections", "none,mask", "--mini-batches",
+            "1,4", "--seeds", "0,1"]  # fmt: skip
+    batch = offpolicy.plan(offpolicy._parse_args(argv), tmp_path)
+    continuous = offpolicy.plan(offpolicy._parse_args([*argv, "--generation", "continuous"]),
+                                tmp_path)  # fmt: skip
+    assert [r.labels for r in continuous] == [r.labels for r in batch] and len(batch) == 12
+    for one, other in zip(batch, continuous, strict=True):
+        assert other.folder == tmp_path / "continuous" / one.folder.relative_to(tmp_path)
+        extra = {k: v for k, v in other.overrides.items() if one.overrides.get(k) != v}
+        assert extra == {"output_dir": str(other.folder), "rollout.continuous": True,
+                         "generator.swap_mode": "in-flight",
+                         "generator.in_flight_kv": "keep"}  # fmt: skip
+    for run in continuous:  # each is a config the run accepts
+        config = base_config()
+        for key, value in run.overrides.items():
+            *sections, name = key.split(".")
+            section = config
+            for part in sections:
+                section = section[part]
+            section[name] = value
+        validate(resolve(config))
+
+
 def test_run_figures():
     records = offpolicy_records(4, 8, 0.8)
     records[3]["test_accuracy"], records[3]["eval_accuracy"] = 0.25, 0.2

@@ -50,6 +50,7 @@ from typing import Any
 
 from jaxrlhf.experiments import save_figure
 from jaxrlhf.experiments.runner import (
+    CONTINUOUS_OVERRIDES,
     PlannedRun,
     common_overrides,
     parse_experiment_args,
@@ -173,9 +174,8 @@ def plot_results(
 # --async-mode -> (the async runs' folder name, their overrides besides max_staleness=1).
 ASYNC_MODES = {
     "one-step-off": ("async", {}),
-    "continuous": ("continuous", {"rollout.continuous": True, "generator.swap_mode": "in-flight",
-                                  "generator.in_flight_kv": "keep"}),
-}  # fmt: skip
+    "continuous": ("continuous", CONTINUOUS_OVERRIDES),
+}
 
 
 def plan(args, out: Path) -> list[PlannedRun]:

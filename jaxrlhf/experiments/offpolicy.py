@@ -12,6 +12,10 @@
     python -m jaxrlhf.experiments.offpolicy --losses online_dpo,rloo,grpo \
         --corrections none,truncate,mask,sequence_mask --mini-batches 1,4,16 --steps 16 \
         --prompts-per-batch 4 --seeds 0,1,2
+    # the same with continuous generation and in-flight swaps (in {out}/continuous/)
+    python -m jaxrlhf.experiments.offpolicy --losses online_dpo,rloo,grpo \
+        --corrections none,truncate,mask --mini-batches 4 --steps 16 --prompts-per-batch 4 \
+        --seeds 0,1,2 --generation continuous
     # redraw the table and figure from the runs already in --out
     python -m jaxrlhf.experiments.offpolicy --report-only
 
@@ -26,6 +30,16 @@ default's model and task (`configs/default.py`; `configs/tiny.py` for `--model t
 takes `--steps` updates, a multiple of every N (by default their least common multiple). N = 1
 is on-policy (synchronous). All runs share one generator service (`jaxrlhf.experiments.runner`);
 each is a plain `python -m jaxrlhf.main` in `{out}/{loss}/N{N}/seed{S}/`.
+
+`--generation continuous` generates as `rollout.continuous` does, with in-flight swaps that keep
+the KV cache (`runner.CONTINUOUS_OVERRIDES`): every prompt is its own call, started as soon as
+the staleness bound (`max_staleness=N-1`, on each sample's oldest token) allows, so the next
+policy's batches start while this one's last answers finish, and a sample that spans a publish
+mixes the tokens of two versions. Its runs, table and figure go to `{out}/continuous/` (the same
+layout), beside the batch-at-a-time ones (`--generation batch`, the default), whose seeds fix
+the same prompts. Continuous generation runs unseeded (`jaxrlhf.rl.continuous`), so a seed
+there fixes the prompts and the validation prompts, not the samples: a difference between the
+two generations of one seed is paired by prompts only.
 
 Figures per run (`runner.run_figures`): final reward = mean `reward_mean` over the last `--last`
 steps (task reward before the missing-EOS penalty, on batches sampled up to N − 1 versions
@@ -49,6 +63,7 @@ from typing import Any
 
 from jaxrlhf.experiments import save_figure
 from jaxrlhf.experiments.runner import (
+    CONTINUOUS_OVERRIDES,
     PlannedRun,
     add_runner_arguments,
     common_overrides,
@@ -60,6 +75,8 @@ from jaxrlhf.experiments.stats import format_mean_stderr, mean_stderr, zero_if_n
 
 DEFAULT_LOSSES = ("online_dpo", "ppo", "rloo")
 DEFAULT_MINI_BATCHES = (1, 2, 4, 8, 16, 64)
+# --generation -> the runs' overrides (module docstring).
+GENERATIONS = {"batch": {}, "continuous": CONTINUOUS_OVERRIDES}
 # (figure, label, scale) of the table and the plot's panels.
 FIGURES = (
     ("test_accuracy_end", "test accuracy after training (%)", 100.0),
@@ -155,7 +172,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], last: int) -> str:
     return "\n".join(lines)
 
 
-def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, steps: int) -> Path:
+def plot_results(
+    rows: Sequence[dict[str, Any]], path: str | Path, steps: int, generation: str = "batch"
+) -> Path:
     """PNG: each figure against N (log2 axis), one line per loss, error bars ± 1 s.e.; the
     test accuracy before training as a dashed line."""
     from matplotlib.figure import Figure
@@ -188,7 +207,8 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, steps: int) -
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     seeds = sorted({r["seeds"] for r in done})
-    fig.suptitle(f"Off-policy RLHF: {steps} updates per run, mean ± s.e. over "
+    how = ", continuous generation" if generation == "continuous" else ""
+    fig.suptitle(f"Off-policy RLHF{how}: {steps} updates per run, mean ± s.e. over "
                  f"{'/'.join(map(str, seeds))} seeds")  # fmt: skip
     return save_figure(fig, path)
 
@@ -196,6 +216,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, steps: int) -
 def run_overrides(args, loss: str, num_mini_batches: int, seed: int, folder: Path):
     overrides = common_overrides(args, folder, args.steps)
     overrides |= {**variant_overrides(loss), "num_mini_batches": num_mini_batches, "seed": seed}
+    overrides |= GENERATIONS[args.generation]
     for flag, key in (
         ("prompts_per_batch", "rollout.prompts_per_batch"),
         ("samples_per_prompt", "rollout.samples_per_prompt"),
@@ -206,7 +227,13 @@ def run_overrides(args, loss: str, num_mini_batches: int, seed: int, folder: Pat
     return {**overrides, **args.passthrough}
 
 
+def results_folder(args, out: Path) -> Path:
+    """Where a --generation's runs, table and figure go: continuous ones beside the others."""
+    return out / "continuous" if args.generation == "continuous" else out
+
+
 def plan(args, out: Path) -> list[PlannedRun]:
+    out = results_folder(args, out)
     runs = []
     for loss in args.losses:
         for n in args.mini_batches:
@@ -230,6 +257,9 @@ def _parse_args(argv: Sequence[str] | None):
     parser.add_argument("--prompts-per-batch", type=int)
     parser.add_argument("--samples-per-prompt", type=int)
     parser.add_argument("--learning-rate", type=float)
+    parser.add_argument("--generation", choices=list(GENERATIONS), default="batch",
+                        help="batch at a time (drain swaps), or continuous with in-flight "
+                        "swaps in {out}/continuous/ (module docstring)")  # fmt: skip
     parser.add_argument("--out", default="runs/offpolicy")
     add_runner_arguments(parser)
     args, extra = parser.parse_known_args(argv)
@@ -257,18 +287,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     runner, out = runner_from_args(args, "offpolicy")
     settings = {key: getattr(args, key) for key in (
         "losses", "corrections", "mini_batches", "seeds", "model", "steps", "prompts_per_batch",
-        "samples_per_prompt", "learning_rate", "last", "passthrough")}  # fmt: skip
+        "samples_per_prompt", "learning_rate", "last", "generation", "passthrough")}  # fmt: skip
+    folder = results_folder(args, out)
+    folder.mkdir(exist_ok=True)
 
     def write(entries):
         results = {"settings": settings, "cells": aggregate(entries), "runs": entries}
-        (out / "results.json").write_text(json.dumps(results, indent=2))
+        (folder / "results.json").write_text(json.dumps(results, indent=2))
 
     entries = runner.run_all(plan(args, out), args.last, write)
     rows = aggregate(entries)
     print(markdown_table(rows, args.last))
     if any(row["seeds"] for row in rows):
-        print(f"figure: {plot_results(rows, out / 'offpolicy.png', args.steps)}")
-    print(f"results: {out / 'results.json'}")
+        figure = plot_results(rows, folder / "offpolicy.png", args.steps, args.generation)
+        print(f"figure: {figure}")
+    print(f"results: {folder / 'results.json'}")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,11 @@ def finished_with(folder: Path, overrides: dict[str, Any]) -> bool:
 
 
 MAX_GENERATOR_RESTARTS = 3
+# Continuous generation as the experiments run it (`rollout.continuous`): in-flight swaps that
+# keep the KV cache, so a sample's tail continues on newer weights (unseeded: see
+# `jaxrlhf.rl.continuous`).
+CONTINUOUS_OVERRIDES = {"rollout.continuous": True, "generator.swap_mode": "in-flight",
+                        "generator.in_flight_kv": "keep"}  # fmt: skip
 
 
 class Runner:
