@@ -433,6 +433,17 @@ def test_a_run_records_the_code_it_ran(tmp_path):
     assert code_summary([]) == "none"
 
 
+def test_offpolicy_figure_has_a_row_per_loss_with_corrections():
+    assert offpolicy.panel_rows(["rloo", "online_dpo", "ppo"]) == [["online_dpo", "ppo", "rloo"]]
+    losses = ["online_dpo", "rloo", "rloo+mask", "grpo", "grpo+truncate", "grpo+mask"]
+    assert offpolicy.panel_rows(losses) == [
+        ["grpo", "grpo+mask", "grpo+truncate", "online_dpo"],
+        ["online_dpo", "rloo", "rloo+mask"],
+    ]
+    # a correction's row without its plain loss still gets its own panels
+    assert offpolicy.panel_rows(["online_dpo", "grpo+mask"]) == [["grpo+mask", "online_dpo"]]
+
+
 def test_offpolicy_plot_needs_a_finished_run(tmp_path):
     with pytest.raises(ValueError, match="no finished run"):
         offpolicy.plot_results([{"seeds": 0}], tmp_path / "x.png", steps=4)

@@ -172,28 +172,50 @@ def markdown_table(rows: Sequence[dict[str, Any]], last: int) -> str:
     return "\n".join(lines)
 
 
+def panel_rows(losses: Sequence[str]) -> list[list[str]]:
+    """The figure's rows of panels: one per loss run with corrections, its rows ("rloo",
+    "rloo+mask", ...) beside the losses run without (Online DPO: the reference); one row
+    when no loss has a correction."""
+    bases = sorted({loss.partition("+")[0] for loss in losses if "+" in loss})
+    if not bases:
+        return [sorted(losses)]
+    plain = [loss for loss in losses if "+" not in loss and loss not in bases]
+    return [sorted(plain + [x for x in losses if x.partition("+")[0] == base]) for base in bases]
+
+
 def plot_results(
     rows: Sequence[dict[str, Any]], path: str | Path, steps: int, generation: str = "batch"
 ) -> Path:
     """PNG: each figure against N (log2 axis), one line per loss, error bars ± 1 s.e.; the
-    test accuracy before training as a dashed line."""
+    test accuracy before training as a dashed line. A row of panels per loss with corrections
+    (`panel_rows`); a correction has one colour in every row."""
     from matplotlib.figure import Figure
 
     done = [r for r in rows if r["seeds"]]
     if not done:
         raise ValueError("no finished run to plot")
-    fig = Figure(figsize=(4.5 * len(FIGURES), 4.0), layout="constrained")
-    axes = fig.subplots(1, len(FIGURES), squeeze=False)[0]
+    losses = sorted({r["loss"] for r in done})
+    bases = {loss.partition("+")[0] for loss in losses if "+" in loss}
+    corrections = sorted({x.partition("+")[2] for x in losses if x.partition("+")[0] in bases})
+    others = [loss for loss in losses if loss.partition("+")[0] not in bases]
+    colour = {loss: f"C{corrections.index(loss.partition('+')[2])}"
+              for loss in losses if loss.partition("+")[0] in bases}  # fmt: skip
+    colour |= {loss: f"C{(len(corrections) + i) % 10}" for i, loss in enumerate(others)}
+    groups = panel_rows(losses)
+    fig = Figure(figsize=(4.5 * len(FIGURES), 4.0 * len(groups)), layout="constrained")
+    grid = fig.subplots(len(groups), len(FIGURES), squeeze=False)
     ticks = sorted({r["num_mini_batches"] for r in done})
-    for ax, (key, label, scale) in zip(axes, FIGURES, strict=True):
-        for loss in sorted({r["loss"] for r in done}):
+    panels = [(ax, figure, group) for axes, group in zip(grid, groups, strict=True)
+              for ax, figure in zip(axes, FIGURES, strict=True)]  # fmt: skip
+    for ax, (key, label, scale), group in panels:
+        for loss in group:
             points = [r for r in done if r["loss"] == loss and math.isfinite(r[key])]
             if points:
                 ax.errorbar(
                     [r["num_mini_batches"] for r in points],
                     [r[key] * scale for r in points],
                     yerr=[zero_if_nan(r[f"{key}_stderr"]) * scale for r in points],
-                    fmt="o-", capsize=3, label=loss,
+                    fmt="o-", capsize=3, label=loss, color=colour[loss],
                 )  # fmt: skip
         if key == "test_accuracy_end":
             starts = [r["test_accuracy_start"] for r in done]
