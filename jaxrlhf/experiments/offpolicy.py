@@ -33,13 +33,16 @@ each is a plain `python -m jaxrlhf.main` in `{out}/{loss}/N{N}/seed{S}/`.
 
 `--generation continuous` generates as `rollout.continuous` does, with in-flight swaps that keep
 the KV cache (`runner.CONTINUOUS_OVERRIDES`): every prompt is its own call, started as soon as
-the staleness bound (`max_staleness=N-1`, on each sample's oldest token) allows, so the next
-policy's batches start while this one's last answers finish, and a sample that spans a publish
-mixes the tokens of two versions. Its runs, table and figure go to `{out}/continuous/` (the same
-layout), beside the batch-at-a-time ones (`--generation batch`, the default), whose seeds fix
-the same prompts. Continuous generation runs unseeded (`jaxrlhf.rl.continuous`), so a seed
-there fixes the prompts and the validation prompts, not the samples: a difference between the
-two generations of one seed is paired by prompts only.
+the staleness bound (on each sample's oldest token) allows. With this test bed's
+`max_staleness=N-1` and `sync_every=N` the bound admits the next policy's batches only once its
+weights are published, so generation does not overlap training and no sample spans a publish
+(`mixed_version_fraction` 0, BENCHMARKS.md): the mode differs from batch generation only in its
+scheduling and its unseeded samples. Overlap needs `max_staleness >= sync_every`, which the
+`num_mini_batches` shorthand does not give. Its runs, table and figure go to
+`{out}/continuous/` (the same layout), beside the batch-at-a-time ones (`--generation batch`,
+the default), whose seeds fix the same prompts. Continuous generation runs unseeded
+(`jaxrlhf.rl.continuous`), so a seed there fixes the prompts and the validation prompts, not
+the samples: a difference between the two generations of one seed is paired by prompts only.
 
 Figures per run (`runner.run_figures`): final reward = mean `reward_mean` over the last `--last`
 steps (task reward before the missing-EOS penalty, on batches sampled up to N − 1 versions
