@@ -187,7 +187,11 @@ def panel_rows(losses: Sequence[str]) -> list[list[str]]:
 
 
 def plot_results(
-    rows: Sequence[dict[str, Any]], path: str | Path, steps: int, generation: str = "batch"
+    rows: Sequence[dict[str, Any]],
+    path: str | Path,
+    steps: int,
+    generation: str = "batch",
+    lag: int = 0,
 ) -> Path:
     """PNG: each figure against N (log2 axis), one line per loss, error bars ± 1 s.e.; the
     test accuracy before training as a dashed line. A row of panels per loss with corrections
@@ -233,6 +237,7 @@ def plot_results(
         ax.legend(fontsize="small")
     seeds = sorted({r["seeds"] for r in done})
     how = ", continuous generation" if generation == "continuous" else ""
+    how += f", max_staleness N - 1 + {lag}" if lag else ""
     fig.suptitle(f"Off-policy RLHF{how}: {steps} updates per run, mean ± s.e. over "
                  f"{'/'.join(map(str, seeds))} seeds")  # fmt: skip
     return save_figure(fig, path)
@@ -241,6 +246,9 @@ def plot_results(
 def run_overrides(args, loss: str, num_mini_batches: int, seed: int, folder: Path):
     overrides = common_overrides(args, folder, args.steps)
     overrides |= {**variant_overrides(loss), "num_mini_batches": num_mini_batches, "seed": seed}
+    if args.lag:  # N versions per publish as before, K more of staleness allowed
+        overrides |= {"num_mini_batches": 0, "sync_every": num_mini_batches,
+                      "max_staleness": num_mini_batches - 1 + args.lag}  # fmt: skip
     overrides |= GENERATIONS[args.generation]
     for flag, key in (
         ("prompts_per_batch", "rollout.prompts_per_batch"),
@@ -253,8 +261,9 @@ def run_overrides(args, loss: str, num_mini_batches: int, seed: int, folder: Pat
 
 
 def results_folder(args, out: Path) -> Path:
-    """Where a --generation's runs, table and figure go: continuous ones beside the others."""
-    return out / "continuous" if args.generation == "continuous" else out
+    """Where a --generation's and a --lag's runs, table and figure go: beside the others."""
+    folder = out / "continuous" if args.generation == "continuous" else out
+    return folder / f"lag{args.lag}" if args.lag else folder
 
 
 def plan(args, out: Path) -> list[PlannedRun]:
@@ -285,6 +294,9 @@ def _parse_args(argv: Sequence[str] | None):
     parser.add_argument("--generation", choices=list(GENERATIONS), default="batch",
                         help="batch at a time (drain swaps), or continuous with in-flight "
                         "swaps in {out}/continuous/ (module docstring)")  # fmt: skip
+    parser.add_argument("--lag", type=int, default=0, help="K: max_staleness = N - 1 + K with "
+                        "sync_every = N, in {out}[/continuous]/lag{K}/ (module "
+                        "docstring)")  # fmt: skip
     parser.add_argument("--out", default="runs/offpolicy")
     add_runner_arguments(parser)
     args, extra = parser.parse_known_args(argv)
@@ -299,6 +311,8 @@ def _parse_args(argv: Sequence[str] | None):
     args.losses = variants([n.strip() for n in args.losses.split(",") if n.strip()], corrections)
     args.mini_batches = sorted({int(n) for n in args.mini_batches.split(",") if n.strip()})
     args.seeds = parse_seeds(args.seeds)
+    if args.lag < 0:
+        parser.error(f"--lag={args.lag}: must be >= 0 (extra versions of staleness)")
     args.steps = args.steps or default_steps(args.mini_batches)
     try:
         check_steps(args.steps, args.mini_batches)
@@ -312,9 +326,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     runner, out = runner_from_args(args, "offpolicy")
     settings = {key: getattr(args, key) for key in (
         "losses", "corrections", "mini_batches", "seeds", "model", "steps", "prompts_per_batch",
-        "samples_per_prompt", "learning_rate", "last", "generation", "passthrough")}  # fmt: skip
+        "samples_per_prompt", "learning_rate", "last", "generation", "lag",
+        "passthrough")}  # fmt: skip
     folder = results_folder(args, out)
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
 
     def write(entries):
         results = {"settings": settings, "cells": aggregate(entries), "runs": entries}
@@ -322,9 +337,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     entries = runner.run_all(plan(args, out), args.last, write)
     rows = aggregate(entries)
+    if args.lag:
+        print(f"lag {args.lag}: sync_every = N, max_staleness = N - 1 + {args.lag}")
     print(markdown_table(rows, args.last))
     if any(row["seeds"] for row in rows):
-        figure = plot_results(rows, folder / "offpolicy.png", args.steps, args.generation)
+        figure = plot_results(rows, folder / "offpolicy.png", args.steps, args.generation,
+                              args.lag)  # fmt: skip
         print(f"figure: {figure}")
     print(f"results: {folder / 'results.json'}")
 
