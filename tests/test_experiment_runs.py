@@ -59,21 +59,28 @@ def test_offpolicy_experiment_runs(generator_address, tmp_path):
 
 @pytest.mark.slow
 def test_offpolicy_experiment_runs_with_continuous_generation(in_flight_server, tmp_path):
-    """--generation continuous: its runs on the in-flight service, in {out}/continuous/."""
+    """--generation continuous --lag 1: its runs on the in-flight service, in
+    {out}/continuous/lag1/, one version more of staleness allowed than N - 1."""
     out = run(["-m", "jaxrlhf.experiments.offpolicy", "--model", "tiny", "--losses", "grpo",
                "--corrections", "mask", "--mini-batches", "2", "--steps", "2", "--seeds", "0",
-               "--out", str(tmp_path), "--generation", "continuous", "--generator-addresses",
-               f"in-flight-keep={in_flight_server.address}", *QUICK])  # fmt: skip
-    results = json.loads((tmp_path / "continuous" / "results.json").read_text())
-    assert results["settings"]["generation"] == "continuous"
+               "--out", str(tmp_path), "--generation", "continuous", "--lag", "1",
+               "--generator-addresses", f"in-flight-keep={in_flight_server.address}",
+               *QUICK])  # fmt: skip
+    folder = tmp_path / "continuous" / "lag1"
+    results = json.loads((folder / "results.json").read_text())
+    assert results["settings"]["generation"] == "continuous" and results["settings"]["lag"] == 1
     assert [(c["loss"], c["seeds"], c["failed"]) for c in results["cells"]] == [("grpo+mask", 1, 0)]
-    assert "| grpo+mask | 2 | 1 |" in out and (tmp_path / "continuous" / "offpolicy.png").exists()
-    folder = tmp_path / "continuous" / "grpo+mask" / "N2" / "seed0"
-    assert "swaps: in-flight, KV keep" in (folder / "run.log").read_text()
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 2 and all(r["token_staleness_max"] <= 1 for r in records)
+    assert "| grpo+mask | 2 | 1 |" in out and (folder / "offpolicy.png").exists()
+    assert "lag 1: sync_every = N, max_staleness = N - 1 + 1" in out
+    log = (folder / "grpo+mask" / "N2" / "seed0" / "run.log").read_text()
+    assert "swaps: in-flight, KV keep" in log
+    assert "--config.sync_every=2 --config.max_staleness=2" in log
+    metrics = (folder / "grpo+mask" / "N2" / "seed0" / "metrics.jsonl").read_text()
+    records = [json.loads(line) for line in metrics.splitlines()]
+    assert len(records) == 2 and all(r["token_staleness_max"] <= 2 for r in records)
     assert all(0 <= r["is_kept_fraction"] <= 1 for r in records)
     assert not (tmp_path / "results.json").exists()
+    assert not (tmp_path / "continuous" / "results.json").exists()
 
 
 @pytest.mark.slow

@@ -275,11 +275,24 @@ def test_offpolicy_corrections_axis(tmp_path):
         offpolicy._parse_args(["--corrections", "clip"])
 
 
+def planned_config(overrides):
+    """The base config with a planned run's overrides, resolved and validated as the run does."""
+    from jaxrlhf.config import base_config, resolve, validate
+
+    config = base_config()
+    for key, value in overrides.items():
+        *sections, name = key.split(".")
+        section = config
+        for part in sections:
+            section = section[part]
+        section[name] = value
+    validate(resolve(config))
+    return config
+
+
 def test_offpolicy_continuous_generation_plans_beside_the_batch_runs(tmp_path):
     """--generation continuous: the same rows, seeds and N with continuous generation and
     in-flight swaps, in {out}/continuous/; a config the run accepts."""
-    from jaxrlhf.config import base_config, resolve, validate
-
     argv = ["--losses", "online_dpo,grpo", "--corrections", "none,mask", "--mini-batches",
             "1,4", "--seeds", "0,1"]  # fmt: skip
     batch = offpolicy.plan(offpolicy._parse_args(argv), tmp_path)
@@ -293,14 +306,29 @@ def test_offpolicy_continuous_generation_plans_beside_the_batch_runs(tmp_path):
                          "generator.swap_mode": "in-flight",
                          "generator.in_flight_kv": "keep"}  # fmt: skip
     for run in continuous:  # each is a config the run accepts
-        config = base_config()
-        for key, value in run.overrides.items():
-            *sections, name = key.split(".")
-            section = config
-            for part in sections:
-                section = section[part]
-            section[name] = value
-        validate(resolve(config))
+        planned_config(run.overrides)
+
+
+def test_offpolicy_lag_plans_more_staleness_than_n_in_its_own_folder(tmp_path):
+    """--lag K: N updates per publish as at --lag 0, K more versions of staleness allowed, so
+    that continuous generation overlaps training; its runs in {out}[/continuous]/lag{K}/."""
+    argv = ["--losses", "online_dpo,rloo", "--corrections", "none,mask", "--mini-batches",
+            "1,4", "--seeds", "0"]  # fmt: skip
+    plain = offpolicy.plan(offpolicy._parse_args(argv), tmp_path)
+    for generation, folder in (("batch", tmp_path / "lag3"),
+                               ("continuous", tmp_path / "continuous" / "lag3")):  # fmt: skip
+        lagged = offpolicy.plan(
+            offpolicy._parse_args([*argv, "--lag", "3", "--generation", generation]), tmp_path
+        )
+        assert [r.labels for r in lagged] == [r.labels for r in plain] and len(plain) == 6
+        for one, other in zip(plain, lagged, strict=True):
+            assert other.folder == folder / one.folder.relative_to(tmp_path)
+            config = planned_config(other.overrides)
+            n = one.labels["num_mini_batches"]
+            assert (config.sync_every, config.max_staleness) == (n, n - 1 + 3)
+            assert config.rollout.continuous == (generation == "continuous")
+    with pytest.raises(SystemExit):
+        offpolicy._parse_args([*argv, "--lag", "-1"])
 
 
 def test_run_figures():
