@@ -12,9 +12,10 @@
     python -m jaxrlhf.experiments.offpolicy --losses online_dpo,rloo,grpo \
         --corrections none,truncate,mask,sequence_mask --mini-batches 1,4,16 --steps 16 \
         --prompts-per-batch 4 --seeds 0,1,2
-    # the same with continuous generation and in-flight swaps (in {out}/continuous/)
-    python -m jaxrlhf.experiments.offpolicy --losses online_dpo,rloo,grpo \
-        --corrections none,truncate,mask --mini-batches 4 --steps 16 --prompts-per-batch 4 \
+    # with continuous generation, in-flight swaps and 4 more versions of staleness, so that
+    # generation overlaps training (in {out}/continuous/lag4/)
+    python -m jaxrlhf.experiments.offpolicy --losses online_dpo,grpo,rloo \
+        --corrections none,mask --mini-batches 4 --lag 4 --steps 16 --prompts-per-batch 4 \
         --seeds 0,1,2 --generation continuous
     # redraw the table and figure from the runs already in --out
     python -m jaxrlhf.experiments.offpolicy --report-only
@@ -38,11 +39,17 @@ the staleness bound (on each sample's oldest token) allows. With this test bed's
 weights are published, so generation does not overlap training and no sample spans a publish
 (`mixed_version_fraction` 0, BENCHMARKS.md): the mode differs from batch generation only in its
 scheduling and its unseeded samples. Overlap needs `max_staleness >= sync_every`, which the
-`num_mini_batches` shorthand does not give. Its runs, table and figure go to
-`{out}/continuous/` (the same layout), beside the batch-at-a-time ones (`--generation batch`,
-the default), whose seeds fix the same prompts. Continuous generation runs unseeded
-(`jaxrlhf.rl.continuous`), so a seed there fixes the prompts and the validation prompts, not
-the samples: a difference between the two generations of one seed is paired by prompts only.
+`num_mini_batches` shorthand does not give: `--lag K` gives it (`sync_every=N`,
+`max_staleness=N-1+K`, in `{out}[/continuous]/lag{K}/`), so the next K batches generate while
+the current N train. Even then a sample spans a publish only if its generation is still running
+when the weights arrive: on a training-bound workload (this one, on the 2-core CPU machine) the
+generator finishes the admitted batches long before the next publish and waits at the bound, so
+samples are older (up to N-1+K versions) but each is still of one version (BENCHMARKS.md). Its
+runs, table and figure go to `{out}/continuous/` (the same layout), beside the batch-at-a-time
+ones (`--generation batch`, the default), whose seeds fix the same prompts. Continuous
+generation runs unseeded (`jaxrlhf.rl.continuous`), so a seed there fixes the prompts and the
+validation prompts, not the samples: a difference between the two generations of one seed is
+paired by prompts only.
 
 Figures per run (`runner.run_figures`): final reward = mean `reward_mean` over the last `--last`
 steps (task reward before the missing-EOS penalty, on batches sampled up to N − 1 versions
