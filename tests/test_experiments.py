@@ -247,8 +247,6 @@ def test_offpolicy_steps():
 def test_offpolicy_corrections_axis(tmp_path):
     """--corrections: each loss with an importance ratio once per correction, on the learner's
     recompute; Online DPO (no ratio) once; the validated settings reach the run's overrides."""
-    from jaxrlhf.config import base_config, resolve, validate
-
     args = offpolicy._parse_args(["--losses", "online_dpo,rloo,grpo", "--corrections",
                                   "none,truncate,sequence_mask", "--mini-batches", "1,4",
                                   "--seeds", "0", "--out", str(tmp_path)])  # fmt: skip
@@ -265,12 +263,7 @@ def test_offpolicy_corrections_axis(tmp_path):
     assert "loss_params.is_correction" not in runs["rloo", 1].overrides
     assert runs["rloo+sequence_mask", 4].folder == tmp_path / "rloo+sequence_mask" / "N4" / "seed0"
     for run in runs.values():  # each is a config the run accepts
-        config = base_config()
-        for key, value in run.overrides.items():
-            if key.startswith(("loss", "num_mini")):
-                section, _, name = key.rpartition(".")
-                (config[section] if section else config)[name] = value
-        validate(resolve(config))
+        planned_config(run.overrides)
     with pytest.raises(SystemExit):
         offpolicy._parse_args(["--corrections", "clip"])
 
