@@ -128,6 +128,7 @@ def _header(
     allow_rollback: bool,
     num_senders: int,
     sender: int,
+    update_id: str,
     num_tensors: int,
     name: str,
     dtype_name: str,
@@ -149,6 +150,7 @@ def _header(
         slice_shape=slice_shape,
         num_senders=num_senders,
         sender=sender,
+        update_id=update_id,
     )
 
 
@@ -160,6 +162,7 @@ def iter_weight_chunks(
     allow_rollback: bool = False,
     num_senders: int = 0,
     sender: int = 0,
+    update_id: str = "",
 ) -> Iterator[generator_pb2.WeightChunk]:
     """Splits named arrays into `WeightChunk`s of at most `chunk_bytes` data each.
 
@@ -169,10 +172,11 @@ def iter_weight_chunks(
     converted on the fly) and is never held in full; without it, it is listed first to count
     it. A count that does not match what is sent is refused by the server. A zero-size tensor
     is sent as one empty chunk. `num_senders`/`sender`: this stream is one of several that
-    carry the update (WeightChunk in the .proto).
+    carry the update (WeightChunk in the .proto). `update_id`: the update's identity, the same
+    over its streams and retries (WeightChunk.update_id).
     """
     for fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
-        chunk = _header(policy_version, allow_rollback, num_senders, sender, *fields)
+        chunk = _header(policy_version, allow_rollback, num_senders, sender, update_id, *fields)
         chunk.data = piece.tobytes()
         yield chunk
 
@@ -185,6 +189,7 @@ def encode_weight_chunks(
     allow_rollback: bool = False,
     num_senders: int = 0,
     sender: int = 0,
+    update_id: str = "",
 ) -> Iterator[bytes]:
     """The chunks of `iter_weight_chunks`, serialised, for an UpdateWeights call whose request
     serializer is None (`jaxrlhf.rpc.GeneratorClient.update_weights_encoded`).
@@ -193,7 +198,7 @@ def encode_weight_chunks(
     field (protobuf accepts fields in any order), so the tensor's bytes are copied only once.
     """
     for fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
-        header = _header(policy_version, allow_rollback, num_senders, sender, *fields)
+        header = _header(policy_version, allow_rollback, num_senders, sender, update_id, *fields)
         yield b"".join((header.SerializeToString(), DATA_TAG, _varint(len(piece)), piece))
 
 
