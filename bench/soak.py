@@ -34,7 +34,9 @@ and one weight update fails half-way. Exits 1 if any check fails.
    - no process started by the soak (a marker in the environment) outlives it;
    - each server process's resident memory (alone, and with its engine processes) grew at most
      10% after `--warmup` s of serving, and its thread and descriptor counts are flat
-     (`/proc/PID/status`, `/proc/PID/fd`, sampled every `--sample-every` s).
+     (`/proc/PID/status`, `/proc/PID/fd`, sampled every `--sample-every` s);
+   - each learner process's resident memory grew at most 10% after `--learner-warmup` s (its
+     threads are not checked: the pool's call threads come and go with the load).
 
 Prints a table (Markdown, for BENCHMARKS.md) and one JSON line; writes `{out}/soak.json`.
 Extra `--config.KEY=VALUE` arguments go to both runs.
@@ -109,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help="seconds a server serves before its resource trend starts",
     )
     parser.add_argument("--sample-every", type=float, default=5.0)
+    parser.add_argument("--learner-warmup", type=float, default=60.0,
+                        help="seconds a learner process runs (imports, compiles, first steps) "
+                             "before its memory trend starts")  # fmt: skip
     parser.add_argument("--max-rss-growth", type=float, default=0.10)
     parser.add_argument("--thread-slack", type=int, default=2)
     parser.add_argument("--fd-slack", type=int, default=4)
@@ -434,6 +439,7 @@ def final_checks(
     out.append(checks.no_orphans(left))
     out.append(checks.resources_flat(server_trends(args, sampler), args.max_rss_growth,
                                      args.thread_slack, args.fd_slack))  # fmt: skip
+    out.append(checks.learner_memory_flat(learner_trends(args, sampler), args.max_rss_growth))
     return out
 
 
@@ -447,10 +453,11 @@ def server_trends(args, sampler: Sampler) -> list[checks.Trend]:
     return trends
 
 
-def learner_trends(sampler: Sampler) -> list[checks.Trend]:
-    """The learner processes' trends (reported, not checked: its call pool grows on demand)."""
+def learner_trends(args, sampler: Sampler) -> list[checks.Trend]:
+    """The trends of the learner processes (one per start: killed and resumed) that ran past
+    their warm-up."""
     found = [
-        checks.trend(label, series, sampler.ready[label] + 30)
+        checks.trend(label, series, sampler.ready[label] + args.learner_warmup)
         for label, series in sampler.series.items()
         if label.startswith("learner")
     ]
@@ -473,7 +480,7 @@ def report(args, soak: Soak, results: list[checks.Check], sampler: Sampler, step
             rows.append((f"fault: {kind}", f"{count}x, recovered in {_spread(times)} s"))
     for check in results:
         rows.append((("PASS " if check.ok else "FAIL ") + check.name, check.detail))
-    trends = [*server_trends(args, sampler), *learner_trends(sampler)]
+    trends = [*server_trends(args, sampler), *learner_trends(args, sampler)]
     for t in trends:
         rows.append((t.label, f"over {t.seconds / 60:.1f} min: RSS {t.rss_mb[0]:.0f} -> "
                      f"{t.rss_mb[1]:.0f} MB ({100 * t.growth(t.rss_mb):+.1f}%), with engine "

@@ -189,6 +189,20 @@ def resources_flat(
     return Check("server memory, threads, fds flat", not problems, _with(detail, problems))
 
 
+def learner_memory_flat(trends: Sequence[Trend], max_rss_growth: float) -> Check:
+    """Each learner process's resident memory grew at most `max_rss_growth` after its warm-up:
+    the loop keeps no per-step state (its records stream to metrics.jsonl)."""
+    name = "learner memory flat"
+    if not trends:
+        return Check(name, False, "no learner process ran long enough past its warm-up to measure")
+    problems = [f"{t.label}: RSS {t.rss_mb[0]:.0f} -> {t.rss_mb[1]:.0f} MB over {t.seconds:.0f} s"
+                for t in trends if t.growth(t.rss_mb) > max_rss_growth]  # fmt: skip
+    worst = max(t.growth(t.rss_mb) for t in trends)
+    detail = (f"{len(trends)} learner process(es), RSS growth <= {100 * worst:.1f}% (bound "
+              f"{100 * max_rss_growth:.0f}%)")  # fmt: skip
+    return Check(name, not problems, _with(detail, problems))
+
+
 def no_orphans(left: Sequence[tuple[int, str]]) -> Check:
     detail = "none" if not left else "; ".join(f"{pid}: {cmd[:80]}" for pid, cmd in left)
     return Check("no orphan processes", not left, detail)

@@ -153,6 +153,15 @@ def test_resources_flat_needs_a_measured_server():
     assert not checks.resources_flat([], 0.10, 2, 4).ok
 
 
+@pytest.mark.parametrize(("rss_end", "ok"), [(109, True), (115, False)])
+def test_learner_memory_flat(rss_end, ok):
+    """A learner whose memory grew ~11% after its warm-up fails (the records it kept grew it
+    16% over the soak's 11,900 steps); its threads are not judged."""
+    trend = checks.trend("learner (pid 7)", usage_series(rss_end, 40, 30), after=0.0)
+    assert checks.learner_memory_flat([trend], 0.10).ok is ok
+    assert not checks.learner_memory_flat([], 0.10).ok
+
+
 def test_orphan_scan_finds_marked_processes_only(tmp_path):
     marker = os.urandom(8).hex()
     marked = subprocess.Popen(["sleep", "60"], env=dict(os.environ, **{MARKER_ENV: marker}))
@@ -257,7 +266,7 @@ def test_a_short_soak_passes_its_checks(tiny_llama, tmp_path, own_generator):
         "--hang", "2,4",
         "--recovery-timeout", "150",
         "--reference-steps", "5", "--checkpoint-every", "2", "--warmup", "5",
-        "--sample-every", "1", "--seed", "0",
+        "--learner-warmup", "20", "--sample-every", "1", "--seed", "0",
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1400)
     summary = json.loads(result.stdout.strip().splitlines()[-1])

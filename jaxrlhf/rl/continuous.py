@@ -29,14 +29,19 @@ use offset", seen on the default workload), and the service refuses seed_per_req
 `rollout.continuous` runs generate unseeded.
 
 A checkpoint holds the batches that are complete and not trained on yet; batches half
-generated are generated again after resuming, from the weights served then. Exact resume is
-not promised in this mode: which version a prompt starts on depends on timing.
+generated are generated again after resuming, from the checkpoint's own weights (a resumed run
+publishes them before anything samples: `jaxrlhf.rl.trainer.begin`). Exact resume is not
+promised in this mode: which version a prompt starts on depends on timing.
+
+Calls: a thread per leased call, started with its lease, so a lease never waits for a thread
+(leased calls queued behind busy threads once held slots the engine could not fill) and
+closing leaves no lease behind. A prompt's samples reach the learner in sample order, whatever
+order they finished in.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -53,17 +58,27 @@ class _Batch:
     prompts: list[PromptItem]
     required: int
     started: float
+    finished: float = 0.0  # when its last prompt's samples came back
     samples: dict[int, list[Sample]] = dataclasses.field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
         return len(self.samples) == len(self.prompts)
 
+    def add(self, prompt: int, samples: list[Sample]) -> None:
+        """A prompt's samples, in sample order (they come back in the order they finish, and
+        what a loss does with ties must not depend on timing)."""
+        self.samples[prompt] = sorted(samples, key=lambda s: s.sample_index)
+        if self.complete:
+            self.finished = time.perf_counter()
+
     def rollout(self) -> Rollout:
+        """The batch, prompt-major; its generate_seconds run from when its bound let it start
+        to its last sample (not to its delivery, which waits for the batches before it)."""
         samples = [dataclasses.replace(s, prompt_index=p)
                    for p in range(len(self.prompts)) for s in self.samples[p]]  # fmt: skip
         return Rollout(self.index, self.prompts, samples, self.required,
-                       time.perf_counter() - self.started)  # fmt: skip
+                       self.finished - self.started)  # fmt: skip
 
 
 class ContinuousProducer(ProducerBase):
@@ -81,12 +96,12 @@ class ContinuousProducer(ProducerBase):
         # (batch, prompt) calls to start, in schedule order; a failed call goes back in front.
         self._queue: collections.deque[tuple[int, int]] = collections.deque()
         self._calls: set[Any] = set()  # running gRPC calls (cancelled by `close`)
+        # A thread per leased call, started with its lease: a lease never waits for a thread
+        # (a queue of leased calls would hold slots the engine then cannot fill), and closing
+        # leaves no call that holds a lease and will never run.
+        self._call_threads: set[threading.Thread] = set()
         self._stop = threading.Event()
         self.retries = 0  # calls started again after their replica failed
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=sum(max(r.capacity, 1) for r in pool.replicas) // max(self._n, 1) + 8,
-            thread_name_prefix="prompt-call",
-        )
         self._thread = threading.Thread(target=self._run, name="continuous-producer", daemon=True)
         self._thread.start()
 
@@ -117,7 +132,10 @@ class ContinuousProducer(ProducerBase):
         for call in calls:
             call.cancel()
         self._thread.join(timeout=60)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
+            threads = list(self._call_threads)
+        for thread in threads:  # each gives its lease back as its cancelled call ends
+            thread.join(timeout=60)
 
     # --- the producer thread -----------------------------------------------------------------
 
@@ -152,7 +170,11 @@ class ContinuousProducer(ProducerBase):
                 replica = self._pool.lease(self._n, batch.required, self._stop)
                 if replica is None:
                     return
-                self._executor.submit(self._call, call, replica)
+                thread = threading.Thread(target=self._call, args=(call, replica),
+                                          name="prompt-call", daemon=True)  # fmt: skip
+                with self._cond:
+                    self._call_threads.add(thread)
+                thread.start()
         except BaseException as error:  # noqa: BLE001 - handed to the learner thread
             self._fail(error)
 
@@ -169,6 +191,13 @@ class ContinuousProducer(ProducerBase):
         return sampling
 
     def _call(self, call: tuple[int, int], replica) -> None:
+        try:
+            self._run_call(call, replica)
+        finally:
+            with self._cond:
+                self._call_threads.discard(threading.current_thread())
+
+    def _run_call(self, call: tuple[int, int], replica) -> None:
         index, prompt = call
         batch = self._batches[index]
         try:
@@ -200,7 +229,7 @@ class ContinuousProducer(ProducerBase):
                 f"answered with tokens of version {min(stale)}"))  # fmt: skip
             return
         with self._cond:
-            batch.samples[prompt] = samples
+            batch.add(prompt, samples)
             while (done := self._batches.get(self._next_delivery)) and done.complete:
                 self._ready.append(done.rollout())
                 del self._batches[self._next_delivery]

@@ -37,6 +37,7 @@ from jaxrlhf.rl.transport import (
     SharedFileTransport,
     StreamTransport,
     WeightTransport,
+    WeightUpdate,
 )
 from jaxrlhf.rl.transport.senders import DriverSenders, SharedSenders
 from jaxrlhf.rpc import generator_pb2
@@ -57,6 +58,22 @@ RECONNECT_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
+
+
+@dataclasses.dataclass
+class _Delivery:
+    """How one publish went so far: the replicas that took it, their answers, the failures by
+    replica, the attempts made."""
+
+    swapped: list[str] = dataclasses.field(default_factory=list)
+    responses: list[generator_pb2.UpdateWeightsResponse] = dataclasses.field(default_factory=list)
+    failures: dict[str, str] = dataclasses.field(default_factory=dict)
+    attempts: int = 0
+
+    def took(self, target: str, response: generator_pb2.UpdateWeightsResponse) -> None:
+        self.responses.append(response)
+        self.swapped.append(target)
+        self.failures.pop(target, None)
 
 
 class GeneratorError(RuntimeError):
@@ -446,63 +463,96 @@ class GeneratorPool:
                    and (rejoining_only or not allow_rollback)]  # fmt: skip
         for replica in already:  # came back still serving this version: nothing to send
             self._join(replica, policy_version)
-        allow_rollback = allow_rollback or rejoining_only
+        update = WeightUpdate(policy_version, num_tensors, allow_rollback or rejoining_only)
         pending = [r for r in targets if r not in already]
-        swapped = [r.target for r in already]
-        failures: dict[str, str] = {}
-        attempt = 0
-        responses: list[generator_pb2.UpdateWeightsResponse] = []
+        delivery = _Delivery(swapped=[r.target for r in already])
         if pending:
-            transport = transport or self._transport_for(specs)
-            delay = self.backoff_seconds
-            for attempt in range(1, self.retries + 2):
-                by_client = {r.client: r for r in pending}
-                outcomes = transport.send(list(by_client), tensor_stream, num_tensors,
-                                          policy_version, allow_rollback,
-                                          self.timeouts.update)  # fmt: skip
-                pending = []
-                for client, outcome in outcomes.items():
-                    replica = by_client[client]
-                    if not isinstance(outcome, grpc.RpcError):
-                        responses.append(outcome)
-                        swapped.append(replica.target)
-                        failures.pop(replica.target, None)
-                        self._join(replica, policy_version)
-                    elif outcome.code() not in REPLICA_DOWN:
-                        raise GeneratorError(
-                            f"weight update {policy_version} refused: "
-                            + describe(replica.target, outcome)
-                        )
-                    else:
-                        failures[replica.target] = describe(replica.target, outcome)
-                        if outcome.code() == grpc.StatusCode.UNAVAILABLE:
-                            pending.append(replica)  # maybe a blip: once more
-                        else:
-                            self._fail(replica, failures[replica.target])
-                if not pending or attempt > self.retries:
-                    break
-                with self._cond:
-                    self.counters["publish_retries"] += len(pending)
-                again = ", ".join(r.target for r in pending)
-                self.log(f"weight update {policy_version} ended UNAVAILABLE at {again}: "
-                         "sending it once more")  # fmt: skip
-                time.sleep(delay)
-                delay = min(delay * 2, 30.0)
-            for replica in pending:
-                self._fail(replica, failures[replica.target])
-        if targets and not swapped and not rejoining_only:
-            self._none_took(policy_version, len(targets), failures)
+            self._deliver(pending, transport or self._transport_for(specs), tensor_stream,
+                          update, delivery)  # fmt: skip
+        if targets and not delivery.swapped and not rejoining_only:
+            self._none_took(policy_version, len(targets), delivery.failures)
+        responses = delivery.responses
         return PublishStats(
             policy_version=policy_version,
             num_tensors=num_tensors,
-            num_bytes=int(responses[0].num_bytes) if responses else 0,
+            num_bytes=max((int(r.num_bytes) for r in responses), default=0),
             seconds=time.perf_counter() - started,
-            attempts=attempt,
+            attempts=delivery.attempts,
             pause_seconds=max((r.pause_seconds for r in responses), default=0.0),
             stage_seconds=max((r.stage_seconds for r in responses), default=0.0),
-            swapped=tuple(swapped),
-            failed=tuple(failures),
+            swapped=tuple(delivery.swapped),
+            failed=tuple(delivery.failures),
         )
+
+    def _deliver(self, pending: list[Replica], transport: WeightTransport, tensor_stream,
+                 update: WeightUpdate, delivery: _Delivery) -> None:  # fmt: skip
+        """Attempts of `update` to `pending` through `transport`, recorded in `delivery`:
+
+        - a replica that answers is live at the update's version;
+        - UNAVAILABLE may be a blip: the replica is sent the update once more (at most
+          `retries` times, with back-off), unless its status shows it took the attempt whose
+          answer was lost (its GeneratorStatus.update_id is this update's);
+        - a retry refused by a replica that turns out to serve this very update (that status
+          again) counts as delivered: its first attempt was applied;
+        - any other refusal is a defect and raised (GeneratorError); any other failure
+          (replica down, hung, or a stalled update answered ABORTED) marks it failed, and its
+          lifecycle brings it back."""
+        delay = self.backoff_seconds
+        for attempt in range(1, self.retries + 2):
+            delivery.attempts = attempt
+            by_client = {r.client: r for r in pending}
+            outcomes = transport.send(list(by_client), tensor_stream, update,
+                                      self.timeouts.update)  # fmt: skip
+            pending = []
+            for client, outcome in outcomes.items():
+                replica = by_client[client]
+                if not isinstance(outcome, grpc.RpcError):
+                    delivery.took(replica.target, outcome)
+                    self._join(replica, update.policy_version)
+                elif (applied := self._applied(replica, update, attempt, outcome)) is not None:
+                    delivery.took(replica.target, applied)
+                    self._join(replica, update.policy_version)
+                elif outcome.code() not in REPLICA_DOWN:
+                    raise GeneratorError(f"weight update {update.policy_version} refused: "
+                                         + describe(replica.target, outcome))  # fmt: skip
+                else:
+                    delivery.failures[replica.target] = describe(replica.target, outcome)
+                    if outcome.code() == grpc.StatusCode.UNAVAILABLE:
+                        pending.append(replica)  # maybe a blip: once more
+                    else:
+                        self._fail(replica, delivery.failures[replica.target])
+            if not pending or attempt > self.retries:
+                break
+            with self._cond:
+                self.counters["publish_retries"] += len(pending)
+            again = ", ".join(r.target for r in pending)
+            self.log(f"weight update {update.policy_version} ended UNAVAILABLE at {again}: "
+                     "sending it once more")  # fmt: skip
+            time.sleep(delay)
+            delay = min(delay * 2, 30.0)
+        for replica in pending:
+            self._fail(replica, delivery.failures[replica.target])
+
+    def _applied(self, replica: Replica, update: WeightUpdate, attempt: int,
+                 outcome: grpc.RpcError):  # fmt: skip
+        """For an attempt that ended UNAVAILABLE, or a retry refused: the replica's answer
+        (built from its status) if it serves this very update after all, else None."""
+        lost = outcome.code() == grpc.StatusCode.UNAVAILABLE
+        if not lost and (attempt == 1 or outcome.code() in REPLICA_DOWN):
+            return None
+        try:
+            status = replica.client.status(timeout=self.timeouts.status)
+        except grpc.RpcError:
+            return None
+        if not (status.serving and status.policy_version == update.policy_version
+                and status.update_id == update.update_id):  # fmt: skip
+            return None
+        self.log(f"generator {replica.target} already serves weight update "
+                 f"{update.policy_version} (an attempt whose answer was lost)")  # fmt: skip
+        return generator_pb2.UpdateWeightsResponse(
+            policy_version=update.policy_version, num_tensors=update.num_tensors,
+            pause_seconds=status.pause_seconds, stage_seconds=status.stage_seconds,
+        )  # fmt: skip
 
     def _none_took(self, policy_version: int, count: int, failures: dict[str, str]) -> None:
         """A publish reached no replica: an error, unless one can come back (then it gets the

@@ -105,6 +105,21 @@ def publish_sliced(model, params, dtype: str | None, plan, pool, specs, send):
     return driven_plans(consume, follow)
 
 
+def check_within_history(rollout: Rollout, learner_version: int) -> None:
+    """Raises RuntimeError if a token of `rollout` has a version newer than `learner_version`
+    (the weights the update starts from): no publish of this run made those weights, so they
+    are another run's (a generator left serving what a killed run published after its last
+    checkpoint) and the batch must not be trained on."""
+    newest = max((max(s.token_versions, default=s.policy_version) for s in rollout.samples),
+                 default=learner_version)  # fmt: skip
+    if newest > learner_version:
+        raise RuntimeError(
+            f"batch {rollout.batch_index} has tokens of policy version {newest}, newer than the "
+            f"learner's {learner_version}: they were sampled from weights this run never "
+            "published (a generator serving another run's weights?); the batch is not trained on"
+        )
+
+
 def publish_due(updates: int, cfg) -> bool:
     """Whether the run publishes after its `updates`-th update: every `sync_every`, and last."""
     return updates % cfg.sync_every == 0 or updates == cfg.total_steps
@@ -132,10 +147,10 @@ class Publisher:
     dtype: str | None  # of the published tensors
     base_version: int
     version: int  # the learner's
-    published: int  # what the generators serve for this run
-    # Whether the next publish may go to replicas serving a newer version (the first publish
-    # after resuming between two publishes).
-    rollback: bool = False
+    # The version the schedule has released to the producer: batches needing a newer one wait
+    # for the next due publish. The generators serve it, or (after resuming between two
+    # publishes) the learner's weights of the checkpoint (`jaxrlhf.rl.trainer.begin`).
+    published: int
     background: bool = False  # publish beside the next train step (module docstring)
     _pending: concurrent.futures.Future | None = dataclasses.field(default=None, repr=False)
     _thread: concurrent.futures.ThreadPoolExecutor | None = dataclasses.field(
@@ -162,9 +177,9 @@ class Publisher:
         if producer is not None:
             producer.wait_admitted()
         started = time.perf_counter()
-        version, rollback, self.rollback = self.version, self.rollback, False
+        version = self.version
         if not self.background:
-            self._add(self._publish(None, version, rollback, producer, started))
+            self._add(self._publish(None, version, producer, started))
             self._blocked_s += time.perf_counter() - started
             return
         # The learner's next step keeps these (`Learner.keep_params`): no copy to take.
@@ -172,14 +187,13 @@ class Publisher:
         params = device_copy(self.learner.state.params["policy"], self.dtype, copy=not keep)
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="publish")
-        self._pending = self._thread.submit(self._publish, params, version, rollback, producer,
-                                            started)  # fmt: skip
+        self._pending = self._thread.submit(self._publish, params, version, producer, started)
         self._blocked_s += time.perf_counter() - started
 
-    def _publish(self, params, version: int, rollback: bool, producer, started: float):
+    def _publish(self, params, version: int, producer, started: float):
         """Sends `params` (None: the learner's) as `version`; returns (its seconds, the
         generators' longest pause)."""
-        stats = publish(self.learner, self.pool, version, self.dtype, rollback, params=params)
+        stats = publish(self.learner, self.pool, version, self.dtype, params=params)
         if producer is not None:
             producer.publish(version)
         self.published = version
@@ -220,9 +234,14 @@ class Publisher:
                 self._thread = None
 
     def next_batch(self, producer) -> Rollout:
-        """The next batch (the driver's, on every process), rejoining replicas meanwhile."""
+        """The next batch (the driver's, on every process), rejoining replicas meanwhile.
+        Every batch the learner trains on passes here: a token of a version newer than the
+        learner's was sampled from weights outside this run's history, and is an error that
+        names the batch (`check_within_history`)."""
         poll = None if producer is None else lambda timeout: producer.next(timeout=timeout)
-        return self.wait(poll)
+        rollout = self.wait(poll)
+        check_within_history(rollout, self.version)
+        return rollout
 
     def checkpoint_batches(self, producer) -> list[Rollout]:
         """The batches a checkpoint at the learner's version holds (`snapshot`; the driver's,

@@ -20,6 +20,7 @@ docs/ARCHITECTURE.md shows the pieces and the flow of a version, a batch and the
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -44,12 +45,26 @@ from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import make_mesh
 
 _SPLIT_NAMES = {"eval": "validation", "test": "test"}
+# The summary's means over the last steps of a run (`{key}_last5`).
+LAST_STEPS = 5
+SUMMARY_KEYS = ("reward_mean", "kl", "staleness_mean")
 
 
 @dataclasses.dataclass
 class RunResult:
+    """What a run leaves: its summary, and its per-step records in `metrics_path` (the
+    driver's metrics.jsonl; a resumed run's hold the steps before its checkpoint too). The loop
+    streams the records there and keeps none: a run of any length holds the same memory."""
+
     summary: dict[str, Any]
-    metrics: list[dict[str, Any]]
+    metrics_path: Path | None = None
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        """Every step's record, read back from `metrics_path` ([] on other processes)."""
+        if self.metrics_path is None or not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
 
 
 def _sampling(config) -> dict[str, Any]:
@@ -184,14 +199,14 @@ def begin(cfg, learner: Learner, pool, model_path: Path, checkpointer, log) -> R
         learner.state, meta = checkpointer.restore(None, learner.state)
         version = meta["policy_version"]
         published = meta.get("published_version", version)
-        # The generator may have kept serving weights published after the checkpoint: roll it
-        # back to the checkpoint's weights under the checkpoint's version. Between two
-        # publishes (sync_every > 1) the checkpoint lacks the served weights: every batch that
-        # runs on them is in `pending`, and the next due publish rolls the generator back.
-        publisher = Publisher(learner, pool, dtype, meta["base_version"], version, published,
-                              rollback=published != version)  # fmt: skip
-        if not publisher.rollback:
-            publisher.send(rollback=True)
+        # The generators may serve weights the killed run published after its checkpoint:
+        # outside the history of this run. Roll them back to the checkpoint's own weights,
+        # under its version, before anything samples from them. Between two publishes
+        # (sync_every > 1) those are newer than the ones the schedule released (`published`),
+        # which stays the producer's gate: the batches that ran on the released weights are in
+        # `pending` or, generated again, run on the checkpoint's (within the staleness bound).
+        publisher = Publisher(learner, pool, dtype, meta["base_version"], version, published)
+        publisher.send(rollback=True)
         log(f"resumed from step {meta['step']} (policy version {version})")
         pending = [Rollout.from_json(r) for r in meta["pending_rollouts"]]
         return RunStart(publisher, meta["step"], pending, dict(meta.get("evaluated_at_start", {})))
@@ -332,14 +347,15 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
                                              log)  # fmt: skip
     producer = make_producer(cfg, task, pool, start, log) if driver else None
     fleet = FleetWatch(pool) if pool is not None else None
-    started, records = time.perf_counter(), []
+    # The records go to metrics.jsonl as they are made; the summary needs the last few only.
+    started, last = time.perf_counter(), collections.deque(maxlen=LAST_STEPS)
     try:
         for step in range(start.step + 1, cfg.total_steps + 1):
             record = train_one_step(learner, producer, publisher, task, cfg, fleet)
             record |= evaluator.during(step)
             if writer is not None:
                 writer.write(step, record)
-            records.append({"step": step, **record})
+            last.append({"step": step, **{k: record[k] for k in SUMMARY_KEYS if k in record}})
             if step == cfg.total_steps or checkpointer.due(step):
                 save_checkpoint(checkpointer, step, cfg, publisher, producer, at_start)
         publisher.finish()
@@ -355,28 +371,27 @@ def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, l
     summary |= {f"{evaluator.key(split)}_start": at_start.get(split) for split in evaluator.splits}
     if cfg.eval.at_end:
         summary |= evaluator.after_training()
-    summary |= finish(cfg, learner, model_path, records, summary, at_start, driver)
+    summary |= finish(cfg, learner, model_path, list(last), summary, at_start, driver)
     if driver:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return RunResult(summary, records)
+    return RunResult(summary, out / "metrics.jsonl" if driver else None)
 
 
-def finish(cfg, learner, model_path, records, summary, at_start, driver) -> dict[str, Any]:
-    """The summary's last parts: means over the last 5 steps, the training plot (the driver's),
-    the Hugging Face export (`config.export`)."""
+def finish(cfg, learner, model_path, tail, summary, at_start, driver) -> dict[str, Any]:
+    """The summary's last parts: means over the last `LAST_STEPS` steps (`tail`, their
+    records), the training plot (the driver's), the Hugging Face export (`config.export`)."""
     out, extra = Path(cfg.output_dir), {}
-    tail = records[-5:]
-    for key in ("reward_mean", "kl", "staleness_mean"):
+    for key in SUMMARY_KEYS:
         if tail and all(key in r for r in tail):
             extra[f"{key}_last5"] = float(np.mean([r[key] for r in tail]))
-    if records and driver:
+    if tail and driver:
         from jaxrlhf.report import plot_training
 
         points = []
         if "eval_accuracy_start" in summary:  # the plot's eval panel: before, during, after
             start, end = at_start.get("eval"), summary.get("eval_accuracy_end")
             points = [(0, start)] if start is not None else []
-            points += [(records[-1]["step"], end)] if end is not None else []
+            points += [(tail[-1]["step"], end)] if end is not None else []
         extra["plot"] = str(plot_training(out / "metrics.jsonl", out / "training.png",
                                           eval_points=points, x="time"))  # fmt: skip
     if cfg.export:
@@ -459,13 +474,13 @@ def train_one_step(
     t0 = time.perf_counter()
     rollout = publisher.next_batch(producer)
     wait_s = time.perf_counter() - t0
+    trained_from = publisher.version  # the parameters this update starts from
     learned = learner.learn(rollout, task)
     publisher.after_update(cfg, producer)
-    version = publisher.version
-    staleness = staleness_metrics(rollout, version - 1)
+    staleness = staleness_metrics(rollout, trained_from)
     step_s = time.perf_counter() - t0
     return {
-        "policy_version": version,
+        "policy_version": publisher.version,
         **learned,
         "prompts": len(rollout.prompts),
         "samples": len(rollout.samples),

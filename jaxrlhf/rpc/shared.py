@@ -180,14 +180,16 @@ class SharedWeightsFile:
         return written
 
     def request(self, policy_version: int, allow_rollback: bool = False,
-                progressive: bool = False):  # fmt: skip
+                progressive: bool = False, update_id: str = ""):  # fmt: skip
         """The UpdateWeightsShared request that points a server at this file (`progressive`:
-        sent before the file is written, see the module docstring)."""
+        sent before the file is written, see the module docstring; `update_id`:
+        SharedWeights.update_id)."""
         return generator_pb2.SharedWeights(
             policy_version=policy_version,
             path=self.path,
             allow_rollback=allow_rollback,
             progressive=progressive,
+            update_id=update_id,
             tensors=[
                 generator_pb2.SharedTensor(
                     name=name, dtype=str(dtype), shape=shape, position=position

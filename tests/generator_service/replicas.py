@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -137,7 +138,8 @@ class DyingReplica:
 
 
 class FakeGenerator:
-    """Generate and GetStatus without a model, served from this process (pool tests).
+    """Generate, GetStatus and UpdateWeights without a model, served from this process (pool
+    tests).
 
     Sample k of a prompt is the prompt's tokens + [k], its log-probs all `tag` (which replica
     answered) and its version `version`. Completions go out sample-major (sample 0 of every
@@ -148,16 +150,31 @@ class FakeGenerator:
     prompt before it answers (a test blocks it there); `requests` keeps every GenerateRequest,
     `max_running` the most calls it answered at once, `max_sequences` the most samples it owed
     at once (a sample is owed from its call's start until it is sent).
+
+    `finish_after(token_ids, k)`: seconds after its call's start at which sample k of the prompt
+    finishes (an engine's sequences of different lengths): each goes out then, so a call's
+    samples come back in the order they finish. `linger(token_ids)`: called once every
+    completion of a call was sent, before the call ends. `sequence_seconds` integrates the
+    samples owed, at most `capacity` of them (what an engine of that capacity would be
+    generating), over time; `call_starts` keeps each call's start (`time.monotonic`).
+
+    UpdateWeights takes any stream of chunks: the first chunk's policy_version becomes the
+    served version (refused FAILED_PRECONDITION unless newer, or allow_rollback), and its
+    update_id the one GetStatus reports; `updates` counts the updates taken.
     """
 
     def __init__(
         self, version: int = 0, tag: float = 0.0, die_after: int | None = None,
-        capacity: int = 0, hold=None, workers: int = 4,
+        capacity: int = 0, hold=None, workers: int = 4, finish_after=None, linger=None,
     ) -> None:  # fmt: skip
         from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2
 
         self.version, self.tag, self.die_after = version, tag, die_after
         self.capacity, self.hold = capacity, hold
+        self.finish_after, self.linger = finish_after, linger
+        self.update_id, self.updates = "", 0
+        self.sequence_seconds, self._since = 0.0, time.monotonic()
+        self.call_starts: list[float] = []
         self.dead = False
         self.calls: list[list[str]] = []  # the prompt ids of each Generate call
         self.requests: list = []
@@ -177,6 +194,11 @@ class FakeGenerator:
                 request_deserializer=pb.GetStatusRequest.FromString,
                 response_serializer=pb.GeneratorStatus.SerializeToString,
             ),
+            "UpdateWeights": grpc.stream_unary_rpc_method_handler(
+                self._update_weights,
+                request_deserializer=pb.WeightChunk.FromString,
+                response_serializer=pb.UpdateWeightsResponse.SerializeToString,
+            ),
         }
         self._server = grpc.server(ThreadPoolExecutor(max_workers=workers))
         self._server.add_generic_rpc_handlers(
@@ -194,55 +216,94 @@ class FakeGenerator:
 
         self._alive(context)
         return generator_pb2.GeneratorStatus(policy_version=self.version, serving=True,
-                                              max_num_seqs=self.capacity)  # fmt: skip
+                                              max_num_seqs=self.capacity,
+                                              update_id=self.update_id)  # fmt: skip
+
+    def _update_weights(self, chunks, context):
+        from jaxrlhf_wire.stubs import generator_pb2
+
+        self._alive(context)
+        first = None
+        for chunk in chunks:
+            first = first or chunk
+        if first is None:
+            context.abort(grpc.StatusCode.DATA_LOSS, "no chunk")
+        if first.policy_version <= self.version and not first.allow_rollback:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"policy_version {first.policy_version} is not newer than the served "
+                          f"version {self.version}")  # fmt: skip
+        self.version, self.update_id = first.policy_version, first.update_id
+        self.updates += 1
+        return generator_pb2.UpdateWeightsResponse(policy_version=self.version,
+                                                    num_tensors=first.num_tensors)  # fmt: skip
+
+    def _owe(self, count: int) -> None:
+        """`count` more samples owed from now (negative: sent); integrates what was owed."""
+        with self._lock:
+            now = time.monotonic()
+            generating = min(self.sequences, self.capacity) if self.capacity else self.sequences
+            self.sequence_seconds += generating * (now - self._since)
+            self._since = now
+            self.sequences += count
+            self.max_sequences = max(self.max_sequences, self.sequences)
 
     def _generate(self, request, context):
         from jaxrlhf_wire import ADMITTED_VERSION_HEADER
 
         self._alive(context)
+        owed = (request.sampling.n or 1) * len(request.prompts)
         with self._lock:
             self.calls.append([prompt.id for prompt in request.prompts])
             self.requests.append(request)
+            self.call_starts.append(time.monotonic())
             self.running += 1
             self.max_running = max(self.max_running, self.running)
-            owed = (request.sampling.n or 1) * len(request.prompts)
-            self.sequences += owed
-            self.max_sequences = max(self.max_sequences, self.sequences)
+        self._owe(owed)
         try:
             version = self.version
             context.send_initial_metadata(((ADMITTED_VERSION_HEADER, str(version)),))
             if self.hold is not None:
                 self.hold(tuple(request.prompts[0].token_ids))
             for completion in self._completions(request, context, version):
-                with self._lock:
-                    self.sequences -= 1
-                    owed -= 1
+                self._owe(-1)
+                owed -= 1
                 yield completion
+            if self.linger is not None:
+                self.linger(tuple(request.prompts[0].token_ids))
         finally:
             with self._lock:
                 self.running -= 1
-                self.sequences -= owed
+            self._owe(-owed)
 
     def _completions(self, request, context, version: int):
         from jaxrlhf_wire.stubs import generator_pb2
 
-        for k in range(request.sampling.n or 1):
-            for index, prompt in enumerate(request.prompts):
-                if self.die_after is not None and self._sent >= self.die_after:
-                    self.dead = True
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "the replica died mid-call")
-                self._sent += 1
-                tokens = [*prompt.token_ids, k]
-                yield generator_pb2.Completion(
-                    prompt_id=prompt.id,
-                    prompt_index=index,
-                    sample_index=k,
-                    token_ids=tokens,
-                    logprobs=[self.tag] * len(tokens),
-                    finish_reason="length",
-                    policy_version=version,
-                    token_policy_versions=[version] * len(tokens),
-                )
+        order = [(k, index) for k in range(request.sampling.n or 1)
+                 for index in range(len(request.prompts))]  # fmt: skip
+        started = time.monotonic()
+        if self.finish_after is not None:
+            due = {(k, i): self.finish_after(tuple(request.prompts[i].token_ids), k)
+                   for k, i in order}  # fmt: skip
+            order.sort(key=due.get)
+        for k, index in order:
+            prompt = request.prompts[index]
+            if self.finish_after is not None:
+                time.sleep(max(0.0, started + due[k, index] - time.monotonic()))
+            if self.die_after is not None and self._sent >= self.die_after:
+                self.dead = True
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the replica died mid-call")
+            self._sent += 1
+            tokens = [*prompt.token_ids, k]
+            yield generator_pb2.Completion(
+                prompt_id=prompt.id,
+                prompt_index=index,
+                sample_index=k,
+                token_ids=tokens,
+                logprobs=[self.tag] * len(tokens),
+                finish_reason="length",
+                policy_version=version,
+                token_policy_versions=[version] * len(tokens),
+            )
 
     def stop(self) -> None:
         self._server.stop(0).wait()

@@ -64,7 +64,8 @@ def mini_batch_config(output_dir, resume: bool = False):
 def test_resume_between_publishes_is_bit_exact(setup, tmp_path):
     """Checkpoint at update 2 (the generator serves version 0, the learner is at 2), stopped
     after publishing 4, resumed: the final train state equals an uninterrupted run's bit for
-    bit, every step's record matches, and the resumed run published only versions 4 and 6.
+    bit, every step's record matches, and the resumed run published the checkpoint's weights
+    (version 2) at once, then versions 4 and 6.
     The uninterrupted run publishes in its steps, the others in the background
     (`generator.publish_in_background`): that changes no sample, no update and no weight."""
     model_dir, task, ids = setup
@@ -84,9 +85,9 @@ def test_resume_between_publishes_is_bit_exact(setup, tmp_path):
     within(RUN_S, lambda: run_rlhf(mini_batch_config(tmp_path / "run", resume=True), model_dir,
                                    task, stopped, log.append))  # fmt: skip
     assert "resumed from step 2 (policy version 2)" in log
-    # No publish at the resume (version 2 was never served); 4 rolled back what the stopped run
-    # left on the generator.
-    assert sorted(stopped.published) == [4, 6]
+    # The resume rolls back what the stopped run left on the generator (its version 4) to the
+    # checkpoint's own weights, as version 2; then 4 and 6 as in the uninterrupted run.
+    assert sorted(stopped.published) == [2, 4, 6]
     for version in (4, 6):
         for name, array in full.published[version].items():
             np.testing.assert_array_equal(stopped.published[version][name], array, name)

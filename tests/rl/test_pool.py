@@ -190,7 +190,10 @@ class WaitingProducer:
         self.pool, self.deadline = pool, time.monotonic() + limit
 
     def next(self, timeout: float):
-        return self.generated(timeout)
+        """An empty batch, once generation resumed."""
+        from jaxrlhf.rl.rollout import Rollout
+
+        return Rollout(0, [], [], 0, 0.0) if self.generated(timeout) else None
 
     def snapshot(self, version: int, timeout: float):
         return self.generated(timeout)
@@ -239,7 +242,7 @@ def test_replicas_rejoin_between_two_publishes_with_the_learners_weights_and_ver
         publisher.version = 4
         producer = WaitingProducer(pool)
         if waiting_for == "batch":
-            got = publisher.next_batch(producer)
+            got = "generated" if publisher.next_batch(producer).batch_index == 0 else None
         elif waiting_for == "checkpoint":
             got = publisher.checkpoint_batches(producer)
         else:

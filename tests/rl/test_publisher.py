@@ -15,6 +15,7 @@ import pytest
 
 from jaxrlhf.rl import publisher as publisher_module
 from jaxrlhf.rl.publisher import Publisher
+from jaxrlhf.rl.transport import PublishStats
 
 
 class Producer:
@@ -79,6 +80,7 @@ def test_without_the_background_a_publish_is_in_the_step(monkeypatch):
                 params=None):  # fmt: skip
         threads.append((threading.current_thread(), params))
         time.sleep(0.05)
+        return PublishStats(version, 1, 12, seconds=0.125, attempts=1, pause_seconds=0.0625)
 
     monkeypatch.setattr(publisher_module, "publish", publish)
     learner = SimpleNamespace(state=SimpleNamespace(params={"policy": {"w": jnp.ones(3)}}))
@@ -91,4 +93,6 @@ def test_without_the_background_a_publish_is_in_the_step(monkeypatch):
     assert threads == [(threading.main_thread(), None)]  # the learner's own parameters
     assert publisher.published == 2 and producer.versions == [2]
     times = publisher.take_times()
-    assert times["publish_blocked_s"] >= times["weight_sync_s"] >= 0.05
+    # The publish's own figures (its PublishStats), and the learner blocked for its call.
+    assert (times["weight_sync_s"], times["generator_pause_s"]) == (0.125, 0.0625)
+    assert times["publish_blocked_s"] >= 0.05

@@ -19,7 +19,7 @@ import pytest
 from generator_service.engine import SwapTimes
 from generator_service.server import GeneratorServicer, add_generator_service
 from generator_service.weights import TensorSpec
-from jaxrlhf.rl.transport import SharedFileTransport
+from jaxrlhf.rl.transport import SharedFileTransport, WeightUpdate
 from jaxrlhf.rpc import GeneratorClient
 
 REMOTE_PEER = "ipv4:203.0.113.9:40000"
@@ -119,13 +119,12 @@ def test_the_service_takes_a_shared_file_from_this_host_only(tmp_path):
     client = GeneratorClient(f"127.0.0.1:{service.port}")
     try:
         service.servicer.remote = True
-        (refused,) = transport.send(
-            [client], lambda: iter(tensors.items()), len(tensors), 1, False, 20.0
-        ).values()
+        update = WeightUpdate(1, len(tensors))
+        (refused,) = transport.send([client], lambda: iter(tensors.items()), update, 20.0).values()
         assert engine.swapped == []
         # The same file, the same version, from this host: the layout was fine, the peer was not.
         service.servicer.remote = False
-        (swapped,) = transport.send([client], None, len(tensors), 1, False, 20.0).values()
+        (swapped,) = transport.send([client], None, update, 20.0).values()
     finally:
         transport.close()
         client.close()

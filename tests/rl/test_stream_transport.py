@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxrlhf.rl.transport import StreamTransport
+from jaxrlhf.rl.transport import StreamTransport, WeightUpdate
 from jaxrlhf.rpc import GeneratorClient
 from tests.rl.weight_receivers import WeightReceivers
 
@@ -25,7 +25,7 @@ def random_tensors(count: int, shape: tuple[int, int]) -> dict[str, np.ndarray]:
 
 def send(transport, clients, tensors, version: int, timeout: float) -> dict:
     return transport.send(
-        clients, lambda: iter(tensors.items()), len(tensors), version, False, timeout
+        clients, lambda: iter(tensors.items()), WeightUpdate(version, len(tensors)), timeout
     )
 
 
@@ -98,7 +98,7 @@ def test_refused_updates_leave_no_thread_behind():
             for _ in range(20):  # version 1 again: not newer, refused at its first chunk
                 client.ended.clear()
                 outcomes = transport.send(
-                    [client], converted_after_the_call_ended, len(tensors), 1, False, 20.0
+                    [client], converted_after_the_call_ended, WeightUpdate(1, len(tensors)), 20.0
                 )
                 (refused,) = outcomes.values()
                 assert isinstance(refused, grpc.RpcError)

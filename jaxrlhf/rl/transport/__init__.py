@@ -7,7 +7,7 @@ only where each tensor lies (same host). The pool (`jaxrlhf.rl.pool`) picks one,
 decides what a failure means.
 """
 
-from jaxrlhf.rl.transport.base import TRANSPORTS, PublishStats, WeightTransport
+from jaxrlhf.rl.transport.base import TRANSPORTS, PublishStats, WeightTransport, WeightUpdate
 from jaxrlhf.rl.transport.shared import SharedFileTransport
 from jaxrlhf.rl.transport.stream import StreamTransport
 
@@ -17,4 +17,5 @@ __all__ = [
     "SharedFileTransport",
     "StreamTransport",
     "WeightTransport",
+    "WeightUpdate",
 ]

@@ -1,6 +1,6 @@
 """The weight-transport interface: one version of the weights to a set of replicas.
 
-Keyed by the policy version: `send` makes one attempt to deliver `policy_version` to each of
+Keyed by the policy version: `send` makes one attempt to deliver a `WeightUpdate` to each of
 `clients` and returns each one's `UpdateWeightsResponse` or the `grpc.RpcError` its call ended
 with (a dead, hung or refusing replica does not stop the others). Retrying, and deciding what an
 error means for the replica, is the pool's job. `PublishStats` is what a whole publish (all its
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,6 +24,19 @@ TRANSPORTS = ("auto", "stream", "shared")
 
 TensorStream = Callable[[], Iterator[tuple[str, Any]]]
 Outcome = generator_pb2.UpdateWeightsResponse | grpc.RpcError
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightUpdate:
+    """What every attempt of one publish says about the update it carries (the header of each
+    WeightChunk, or the SharedWeights request). `update_id` names this publish: the same over
+    its attempts and its senders' streams, so that a replica that swapped in an attempt whose
+    answer was lost reports it (GeneratorStatus.update_id) and the retry counts as delivered."""
+
+    policy_version: int
+    num_tensors: int
+    allow_rollback: bool = False
+    update_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @dataclasses.dataclass
@@ -50,9 +64,7 @@ class WeightTransport(abc.ABC):
         self,
         clients: Sequence[GeneratorClient],
         tensor_stream: TensorStream,
-        num_tensors: int,
-        policy_version: int,
-        allow_rollback: bool,
+        update: WeightUpdate,
         timeout: float | None,
     ) -> dict[GeneratorClient, Outcome]:
         """One attempt to every client; each one's response or gRPC error. Errors of the

@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxrlhf.distributed import all_succeeded
-from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport
+from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport, WeightUpdate
 from jaxrlhf.rl.transport.shared import SharedFileTransport
 from jaxrlhf.rl.transport.stream import StreamTransport
 from jaxrlhf.rpc.client import GeneratorClient
@@ -37,9 +37,7 @@ class Attempt:
 
     targets: tuple[str, ...]
     credentials: tuple  # (auth token, root certificates) of the pool's clients
-    policy_version: int
-    num_tensors: int
-    allow_rollback: bool
+    update: WeightUpdate
     timeout: float | None
     chunk_bytes: int
     num_senders: int
@@ -77,16 +75,13 @@ class SharedSenders(WeightTransport):
         self._shared = shared
         self._announce = announce
 
-    def send(self, clients, tensor_stream: TensorStream, num_tensors, policy_version,
-             allow_rollback, timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
-        shared = self._shared
-
+    def send(self, clients, tensor_stream: TensorStream, update: WeightUpdate,
+             timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
         def write(file: SharedWeightsFile) -> None:
             self._announce(FileWrite(file.path, tuple(file.specs)))
             write_own_slices(file.path, file.specs, tensor_stream)
 
-        return shared.send(clients, tensor_stream, num_tensors, policy_version, allow_rollback,
-                           timeout, write=write)  # fmt: skip
+        return self._shared.send(clients, tensor_stream, update, timeout, write=write)
 
     def close(self) -> None:
         """The file is the pool's transport's, kept for the next publish."""
@@ -103,14 +98,12 @@ class DriverSenders(WeightTransport):
         self._credentials = credentials
         self._announce = announce
 
-    def send(self, clients, tensor_stream: TensorStream, num_tensors, policy_version,
-             allow_rollback, timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
+    def send(self, clients, tensor_stream: TensorStream, update: WeightUpdate,
+             timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
         own = self._own
-        self._announce(Attempt(tuple(c.target for c in clients), self._credentials,
-                               policy_version, num_tensors, allow_rollback, timeout,
-                               own.chunk_bytes, own.num_senders))  # fmt: skip
-        return own.send(clients, tensor_stream, num_tensors, policy_version, allow_rollback,
-                        timeout)  # fmt: skip
+        self._announce(Attempt(tuple(c.target for c in clients), self._credentials, update,
+                               timeout, own.chunk_bytes, own.num_senders))  # fmt: skip
+        return own.send(clients, tensor_stream, update, timeout)
 
     def close(self) -> None:
         self._own.close()
@@ -135,8 +128,7 @@ class FollowerSenders:
             return  # this process holds no shard of its own to send
         clients = [self._client(target, attempt.credentials) for target in attempt.targets]
         transport = StreamTransport(attempt.chunk_bytes, attempt.num_senders, sender)
-        transport.send(clients, tensor_stream, attempt.num_tensors, attempt.policy_version,
-                       attempt.allow_rollback, attempt.timeout)  # fmt: skip
+        transport.send(clients, tensor_stream, attempt.update, attempt.timeout)
 
     def _client(self, target: str, credentials: tuple) -> GeneratorClient:
         key = (target, *credentials)

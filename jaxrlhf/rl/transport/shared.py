@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport
+from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport, WeightUpdate
 from jaxrlhf.rl.transport.stream import collect
 from jaxrlhf.rpc.client import GeneratorClient
 from jaxrlhf.rpc.shared import SharedWeightsFile
@@ -43,26 +43,25 @@ class SharedFileTransport(WeightTransport):
         """Whether the file already holds `policy_version` (a rejoining replica can take it)."""
         return self._file is not None and self._version == policy_version
 
-    def send(self, clients, tensor_stream: TensorStream | None, num_tensors, policy_version,
-             allow_rollback, timeout, write=None) -> dict[GeneratorClient, Outcome]:  # fmt: skip
+    def send(self, clients, tensor_stream: TensorStream | None, update: WeightUpdate, timeout,
+             write=None) -> dict[GeneratorClient, Outcome]:  # fmt: skip
         """`write(file)`: how a new version gets into the file (default: this process writes
         `tensor_stream()` whole; `senders.SharedSenders`: every process its slices)."""
-        if not self.holds(policy_version):
+        version = update.policy_version
+        if not self.holds(version):
             if tensor_stream is None:
-                raise ValueError(f"the shared file does not hold version {policy_version}")
+                raise ValueError(f"the shared file does not hold version {version}")
             if self._file is None:
                 self._file = SharedWeightsFile(self.directory, self.specs)
             self._version = None  # being rewritten: it holds no whole version meanwhile
             if write is None and self.progressive:
-                return self._send_while_writing(
-                    clients, tensor_stream, policy_version, allow_rollback, timeout
-                )
+                return self._send_while_writing(clients, tensor_stream, update, timeout)
             if write is None:
                 self._file.write(tensor_stream())
             else:
                 write(self._file)
-            self._version = policy_version
-        request = self._file.request(policy_version, allow_rollback)
+            self._version = version
+        request = self._file.request(version, update.allow_rollback, update_id=update.update_id)
         with _calls(clients) as calls:
             futures = {
                 client: calls.submit(client.update_weights_shared, request, timeout)
@@ -70,13 +69,14 @@ class SharedFileTransport(WeightTransport):
             }
             return collect(futures)
 
-    def _send_while_writing(self, clients, tensor_stream, policy_version, allow_rollback,
+    def _send_while_writing(self, clients, tensor_stream, update: WeightUpdate,
                             timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
         """The request first, then the file written tensor by tensor, counted (module
         docstring). A write that fails leaves the file abandoned: the replicas refuse it, and
         the error is raised once they have answered."""
         self._file.begin_progress()
-        request = self._file.request(policy_version, allow_rollback, progressive=True)
+        request = self._file.request(update.policy_version, update.allow_rollback,
+                                     progressive=True, update_id=update.update_id)  # fmt: skip
         with _calls(clients) as calls:
             futures = {
                 client: calls.submit(client.update_weights_shared, request, timeout)
@@ -87,7 +87,7 @@ class SharedFileTransport(WeightTransport):
             except BaseException:
                 concurrent.futures.wait(futures.values())
                 raise
-            self._version = policy_version
+            self._version = update.policy_version
             return collect(futures)
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport
+from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport, WeightUpdate
 from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient, encode_weight_chunks
 
 # Chunks queued ahead of each replica's stream. The feeds hold the same chunk objects, so the
@@ -119,16 +119,17 @@ class StreamTransport(WeightTransport):
         # One of several streams of each update (`jaxrlhf.rl.transport.senders`); 0: the only one.
         self.num_senders, self.sender = num_senders, sender
 
-    def send(self, clients, tensor_stream: TensorStream, num_tensors, policy_version,
-             allow_rollback, timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
+    def send(self, clients, tensor_stream: TensorStream, update: WeightUpdate,
+             timeout) -> dict[GeneratorClient, Outcome]:  # fmt: skip
         chunks = encode_weight_chunks(
             tensor_stream(),
-            policy_version,
+            update.policy_version,
             self.chunk_bytes,
-            num_tensors,
-            allow_rollback,
-            self.num_senders,
-            self.sender,
+            num_tensors=update.num_tensors,
+            allow_rollback=update.allow_rollback,
+            num_senders=self.num_senders,
+            sender=self.sender,
+            update_id=update.update_id,
         )
         feeds = {client: _ReplicaFeed(CHUNKS_AHEAD) for client in clients}
         # A thread per replica, for this attempt only: every call must run at once, since the
