@@ -48,7 +48,7 @@ from generator_service.weights import (
 )
 from jaxrlhf_wire import ADMITTED_VERSION_HEADER, READY_LINE
 from jaxrlhf_wire.chunks import CHANNEL_OPTIONS, MalformedChunkError, decode_weight_chunk
-from jaxrlhf_wire.files import PROGRESS_ABANDONED
+from jaxrlhf_wire.files import PROGRESS_ABANDONED, read_progress_count
 from jaxrlhf_wire.hosts import is_local_peer
 from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2, generator_pb2_grpc
 
@@ -386,7 +386,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     async def _follow(self, path: str, tensors: list, stage_id: int, version: int) -> int:
         """Until the learner has written every tensor of a progressive shared update (its count
-        in the file's first 8 bytes: `SharedWeights.progressive`), handing each written tensor
+        in the file's first 8 bytes: `SharedWeights.progressive`, read under the file's lock:
+        `jaxrlhf_wire.files.read_progress_count`), handing each written tensor
         to stage `stage_id` (0: none); returns the stage, or 0 when feeding it failed (it is
         then dropped, and the swap stages from scratch). Raises WeightUpdateError if the writer
         gives up, the count goes wrong, the file cannot be read, or the count stands still for
@@ -401,13 +402,15 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             fed, moved, poll = 0, time.monotonic(), PROGRESS_POLL_SECONDS[0]
             while fed < len(tensors):
                 try:
-                    count = int.from_bytes(os.pread(fd, 8, 0), "little")
+                    count = read_progress_count(fd)
                 except OSError as error:
                     raise WeightUpdateError(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"the shared file's count cannot be read: {error}",
                     ) from error
-                if count == PROGRESS_ABANDONED:
+                if count is None:  # a store holds the lock: no news yet
+                    count = fed
+                elif count == PROGRESS_ABANDONED:
                     raise WeightUpdateError(
                         grpc.StatusCode.ABORTED,
                         f"the learner gave up writing policy_version {version} into the shared "
