@@ -390,8 +390,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         `jaxrlhf_wire.files.read_progress_count`), handing each written tensor
         to stage `stage_id` (0: none); returns the stage, or 0 when feeding it failed (it is
         then dropped, and the swap stages from scratch). Raises WeightUpdateError if the writer
-        gives up, the count goes wrong, the file cannot be read, or the count stands still for
-        `senders_timeout` seconds."""
+        gives up or the count stands still for `senders_timeout` seconds (ABORTED: it may be
+        sent again), the count goes wrong, or the file cannot be read."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as error:
@@ -435,11 +435,15 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                             stage_id = 0
                     fed, moved, poll = count, time.monotonic(), PROGRESS_POLL_SECONDS[0]
                 elif time.monotonic() - moved > self._updates.join_timeout:
+                    # Transient (a learner slow to convert, on busy cores): ABORTED, not a
+                    # precondition, so that the learner fails this replica and brings it back
+                    # instead of ending its run.
                     raise WeightUpdateError(
-                        grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.ABORTED,
                         f"the shared file of policy_version {version} gained no tensor for "
-                        f"{self._updates.join_timeout:g} s ({fed} of {len(tensors)} written); "
-                        "the update is refused and the served weights are unchanged",
+                        f"{self._updates.join_timeout:g} s ({fed} of {len(tensors)} written): "
+                        "the learner's writes stalled; the update is refused, the served "
+                        "weights are unchanged, and it may be sent again",
                     )
                 else:
                     await asyncio.sleep(poll)

@@ -14,7 +14,9 @@ response, or the same refusal.
   senders) or repeats a sender index is refused, and so is the whole update. A stream alone
   (`num_senders` 0 or 1) is an update of its own, in turn after the open one.
 - Senders that have not all joined within `join_timeout` seconds of the first: the update is
-  refused (FAILED_PRECONDITION, naming the missing ones).
+  refused, ABORTED (naming the missing ones). A stall is transient (a learner process slow to
+  start its stream, on busy cores): the learner fails the replica and brings it back, where a
+  precondition would end its run.
 - One stream's failure (a malformed chunk, an overlap, its call cancelled) refuses the update;
   the streams still sending are answered with it at their next chunk, those waiting at once.
 - An update is received only while it holds the servicer's update lock (one update at a time:
@@ -209,10 +211,11 @@ class UpdateJoiner:
             if self._open is update:
                 self._open = None
             update.fail(WeightUpdateError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.ABORTED,
                 f"sender(s) {missing} of {update.key.num_senders} of policy_version "
                 f"{update.key.policy_version} never came within {self.join_timeout:g} s of "
-                "the first; the update is refused and the served weights are unchanged",
+                "the first; the update is refused, the served weights are unchanged, and it "
+                "may be sent again",
             ))  # fmt: skip
 
 

@@ -116,8 +116,8 @@ REFUSED = {
     "overlap": (_overlap, grpc.StatusCode.INVALID_ARGUMENT, "overlaps the slice"),
     "gap": (_gap, grpc.StatusCode.DATA_LOSS, "incomplete"),
     "duplicate": (_duplicate, grpc.StatusCode.INVALID_ARGUMENT, "duplicated data"),
-    "missing sender": (_missing_sender, grpc.StatusCode.FAILED_PRECONDITION,
-                       "sender(s) [1] of 2"),
+    # Transient: the learner's pool fails the replica and brings it back.
+    "missing sender": (_missing_sender, grpc.StatusCode.ABORTED, "sender(s) [1] of 2"),
     "version mismatch": (_version_mismatch, grpc.StatusCode.INVALID_ARGUMENT, "disagree"),
 }  # fmt: skip
 

@@ -97,7 +97,7 @@ def test_a_sender_that_never_comes_times_the_update_out():
         updates.join(header(sender=0, num_senders=3))
         with pytest.raises(WeightUpdateError) as caught:
             await asyncio.wait_for(asyncio.shield(update.result), 5)
-        assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert caught.value.code == grpc.StatusCode.ABORTED  # transient: it may come again
         assert "sender(s) [2] of 3 of policy_version 1 never came within 0.2 s" in (
             caught.value.message)  # fmt: skip
         await asyncio.sleep(0.05)
