@@ -83,6 +83,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                                      self._release)  # fmt: skip
         # The last successful update's (stage, pause) seconds, for GetStatus.
         self.last_swap = SwapTimes()
+        # The update_id of the update that put the served weights in place (`_swap_in`).
+        self._served_update_id = ""
         self._staging: StagingFile | None = None  # created by the first update
 
     async def Generate(self, request: generator_pb2.GenerateRequest, context):
@@ -180,6 +182,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     header.slice_start,
                     header.slice_shape,
                     header.num_senders,
+                    update_id=header.update_id,
                 )
                 await write_and_feed(update.assembler, update.staging, pieces, update.feeder)
                 chunk = await anext(chunks, None)
@@ -272,9 +275,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             else:  # staged from scratch by the swap
                 await finish_despite_cancellation(asyncio.ensure_future(self._engine.drop_stage()))
             update.feeder = None  # (after the drop: if it is cancelled, `_release` drops it)
-        swap = await self._engine.swap_weights(
+        swap = await self._swap_in(
             staging.path, tensors, assembler.policy_version, assembler.allow_rollback,
-            stage_id=stage_id,
+            stage_id, update.key.update_id,
         )  # fmt: skip
         self.last_swap = swap = dataclasses.replace(
             swap, stage_seconds=received_seconds + swap.stage_seconds
@@ -302,6 +305,37 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             stage_seconds=swap.stage_seconds,
             stage_tokens=swap.stage_tokens,
         )
+
+    async def _swap_in(
+        self,
+        path: str,
+        tensors: list,
+        policy_version: int,
+        allow_rollback: bool,
+        stage_id: int,
+        update_id: str,
+    ) -> SwapTimes:
+        """`Engine.swap_weights`, keeping the update_id of the served weights (GetStatus):
+        `update_id` once the swap is done, also when this call is cancelled after the swap's
+        pause began (the swap then runs to its end: the engine serves `policy_version`, and a
+        learner whose answer was lost can tell its update was applied); empty once a swap left
+        the weights unknown. A cancelled rollback to the version already served cannot be told
+        from one dropped before its pause: empty then (unknown), never another update's id."""
+        served_before = self._engine.policy_version
+        try:
+            swap = await self._engine.swap_weights(
+                path, tensors, policy_version, allow_rollback, stage_id=stage_id
+            )
+        except asyncio.CancelledError:
+            if self._engine.serving and self._engine.policy_version == policy_version:
+                self._served_update_id = update_id if policy_version != served_before else ""
+            raise
+        except Exception:
+            if not self._engine.serving:
+                self._served_update_id = ""
+            raise
+        self._served_update_id = update_id
+        return swap
 
     async def UpdateWeightsShared(
         self, request: generator_pb2.SharedWeights, context
@@ -344,9 +378,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 checked_seconds = time.monotonic() - started
                 failpoints.hit("update_weights")  # (chaos tests only)
                 handed, stage_id = stage_id, 0  # the swap drops it from here on
-                swap = await self._engine.swap_weights(
-                    path, tensors, request.policy_version, request.allow_rollback,
-                    stage_id=handed,
+                swap = await self._swap_in(
+                    path, tensors, request.policy_version, request.allow_rollback, handed,
+                    request.update_id,
                 )  # fmt: skip
                 self.last_swap = swap = dataclasses.replace(
                     swap, stage_seconds=checked_seconds + swap.stage_seconds
@@ -489,6 +523,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             staged_swaps_off=engine.stage_unsupported
             or ("" if engine.config.stage else "started with --no-stage"),
             shared_progress=True,
+            update_id=self._served_update_id,
         )
 
     async def _publish_health(self) -> None:

@@ -11,8 +11,8 @@ response, or the same refusal.
 
 - The first stream of an update creates it; the others join it while it waits for them. A
   stream of several that disagrees with it (version, tensor count, rollback, number of
-  senders) or repeats a sender index is refused, and so is the whole update. A stream alone
-  (`num_senders` 0 or 1) is an update of its own, in turn after the open one.
+  senders, update_id) or repeats a sender index is refused, and so is the whole update. A
+  stream alone (`num_senders` 0 or 1) is an update of its own, in turn after the open one.
 - Senders that have not all joined within `join_timeout` seconds of the first: the update is
   refused, ABORTED (naming the missing ones). A stall is transient (a learner process slow to
   start its stream, on busy cores): the learner fails the replica and brings it back, where a
@@ -52,16 +52,18 @@ class UpdateKey:
     num_tensors: int
     allow_rollback: bool
     num_senders: int
+    update_id: str  # the learner's name for the update (GeneratorStatus.update_id)
 
     @classmethod
     def of(cls, header) -> UpdateKey:
         return cls(header.policy_version, header.num_tensors, header.allow_rollback,
-                   max(1, header.num_senders))  # fmt: skip
+                   max(1, header.num_senders), header.update_id)  # fmt: skip
 
     def describe(self) -> str:
         return (
             f"policy_version {self.policy_version}, num_tensors {self.num_tensors}, "
-            f"allow_rollback {self.allow_rollback}, num_senders {self.num_senders}"
+            f"allow_rollback {self.allow_rollback}, num_senders {self.num_senders}, "
+            f"update_id {self.update_id!r}"
         )
 
 

@@ -274,6 +274,7 @@ class WeightAssembler:
         self.num_tensors: int | None = None
         self.allow_rollback = False
         self.num_senders = 1
+        self.update_id = ""
         self.num_chunks = 0
         self.num_bytes = 0
         self.staged_bytes = 0  # the end of the last region handed out: the file's size
@@ -293,6 +294,7 @@ class WeightAssembler:
         slice_start: Iterable[int] = (),
         slice_shape: Iterable[int] = (),
         num_senders: int = 0,
+        update_id: str = "",
     ) -> list[tuple[int, memoryview]]:
         """Checks one chunk; returns (byte position in the staging file, bytes) for each part
         of `data` (one, unless the chunk carries a slice whose rows lie apart in the tensor).
@@ -304,19 +306,21 @@ class WeightAssembler:
         num_senders = max(1, num_senders)
         if self.policy_version is None:
             self._check_header(policy_version, num_tensors, allow_rollback)
-            self.num_senders = num_senders
-        elif (policy_version, num_tensors, allow_rollback, num_senders) != (
+            self.num_senders, self.update_id = num_senders, update_id
+        elif (policy_version, num_tensors, allow_rollback, num_senders, update_id) != (
             self.policy_version,
             self.num_tensors,
             self.allow_rollback,
             self.num_senders,
+            self.update_id,
         ):
             raise _invalid(
                 f"{where} has policy_version {policy_version}, num_tensors {num_tensors}, "
-                f"allow_rollback {allow_rollback}, num_senders {num_senders}; the update "
-                f"started with {self.policy_version}, {self.num_tensors}, "
-                f"{self.allow_rollback}, {self.num_senders}: every chunk of one update must "
-                "carry the same values, from every sender"
+                f"allow_rollback {allow_rollback}, num_senders {num_senders}, update_id "
+                f"{update_id!r}; the update started with {self.policy_version}, "
+                f"{self.num_tensors}, {self.allow_rollback}, {self.num_senders}, "
+                f"{self.update_id!r}: every chunk of one update must carry the same values, "
+                "from every sender"
             )
         partial = self._tensors.get(name)
         if partial is None:

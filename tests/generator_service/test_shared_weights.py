@@ -183,7 +183,9 @@ def test_shared_update_swaps_weights_and_version(client, served, reference):
     new = perturbed(served.tensors, seed=11)
     version = served.policy_version + 1
     with _shared_file(client, new) as shared:
-        response = client.update_weights_shared(shared.request(version))
+        request = shared.request(version)
+        request.update_id = "shared-update"
+        response = client.update_weights_shared(request)
         served.record(version, new)
     assert response.policy_version == version and response.num_tensors == len(new)
     assert response.num_bytes == sum(value.nbytes for value in new.values())
@@ -192,6 +194,7 @@ def test_shared_update_swaps_weights_and_version(client, served, reference):
     status = client.status()
     assert (status.stage_seconds, status.pause_seconds) == (
         response.stage_seconds, response.pause_seconds)  # fmt: skip
+    assert status.update_id == "shared-update"
     tokens, versions = greedy(client)
     assert versions == {version}
     assert tokens == [reference.greedy(new, prompt, 12) for prompt in served.initial_prompts]

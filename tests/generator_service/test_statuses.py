@@ -7,6 +7,9 @@ test_shared_weights.py and test_in_flight.py).
   count stands still. It is answered ABORTED (the learner's pool then fails the replica and
   brings it back, instead of ending the run), naming what stalled, for how long, and that the
   served weights are unchanged.
+- GetStatus.update_id names the update that put the served weights in place: empty for the
+  weights the server started with, after an update sent without one, and after a swap that
+  left the weights unknown; a refused update leaves it as it was.
 """
 
 from __future__ import annotations
@@ -79,6 +82,11 @@ def _send(client, version: int, update_ids, num_senders: int | None = None) -> l
         return list(pool.map(stream, range(len(update_ids))))
 
 
+def _taken(outcomes: list) -> None:
+    for outcome in outcomes:
+        assert not isinstance(outcome, grpc.RpcError), outcome.details()
+
+
 def _refused_alike(outcomes: list, code: grpc.StatusCode) -> str:
     """The one message every sender was refused with, `code`."""
     for outcome in outcomes:
@@ -113,3 +121,52 @@ def test_a_progressive_count_that_stands_still_is_a_transient_refusal(client, re
     assert f"gained no tensor for {SENDERS_TIMEOUT_S:g} s (1 of 2 written)" in message
     assert "the served weights are unchanged" in message and "may be sent again" in message
     assert (client.status().policy_version, replica.engine.swaps) == (0, [])
+
+
+def _shared_update(client, replica, version: int, update_id: str):
+    from jaxrlhf.rpc.shared import SharedWeightsFile
+
+    specs = [(name, value.shape, value.dtype) for name, value in TENSORS.items()]
+    with SharedWeightsFile(replica.engine.staging_dir, specs) as shared:
+        shared.write(TENSORS.items())
+        request = shared.request(version)
+        request.update_id = update_id
+        return client.update_weights_shared(request, timeout=60)
+
+
+def test_the_status_names_the_update_that_put_the_served_weights_in_place(client, replica):
+    def served() -> tuple[int, str]:
+        status = client.status()
+        return status.policy_version, status.update_id
+
+    assert served() == (0, "")  # the weights it started with
+    _taken(_send(client, 1, ["one"]))
+    assert served() == (1, "one")
+    _taken(_send(client, 2, ["two", "two", "two"]))  # three senders, one update
+    assert served() == (2, "two")
+    _shared_update(client, replica, 3, "three")
+    assert served() == (3, "three")
+    _taken(_send(client, 4, [""]))  # sent without one
+    assert served() == (4, "")
+    _taken(_send(client, 5, ["five"]))
+    refused = _send(client, 5, ["stale"])[0]  # not newer: refused, nothing changes
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert served() == (5, "five")
+    replica.engine.fail_swaps = 1  # the next swap fails half-way: the weights are unknown
+    failed = _send(client, 6, ["six"])[0]
+    assert failed.code() == grpc.StatusCode.INTERNAL
+    assert not client.status().serving and served() == (5, "")
+    _taken(_send(client, 6, ["six again"]))
+    assert served() == (6, "six again") and client.status().serving
+
+
+def test_an_update_whose_streams_or_chunks_disagree_on_its_id_is_refused(client):
+    message = _refused_alike(_send(client, 1, ["a", "b"]), grpc.StatusCode.INVALID_ARGUMENT)
+    assert "update_id 'b'" in message and "its senders disagree" in message
+    chunks = list(iter_weight_chunks(TENSORS, 1, 16, update_id="a"))
+    chunks[-1].update_id = "b"
+    with pytest.raises(grpc.RpcError) as refused:
+        client.stub.UpdateWeights(iter(chunks), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "update_id 'b'" in refused.value.details()
+    assert client.status().policy_version == 0

@@ -14,9 +14,11 @@ from generator_service.updates import UpdateJoiner
 from generator_service.weights import WeightUpdateError
 
 
-def header(version=1, sender=0, num_senders=2, num_tensors=3, allow_rollback=False):
+def header(version=1, sender=0, num_senders=2, num_tensors=3, allow_rollback=False,
+           update_id="u"):  # fmt: skip
     return SimpleNamespace(policy_version=version, sender=sender, num_senders=num_senders,
-                           num_tensors=num_tensors, allow_rollback=allow_rollback)  # fmt: skip
+                           num_tensors=num_tensors, allow_rollback=allow_rollback,
+                           update_id=update_id)  # fmt: skip
 
 
 def joiner(timeout=5.0, events=None):
@@ -59,9 +61,10 @@ def test_senders_of_one_version_join_one_update_and_the_lock_waits_for_its_answe
         (header(version=2, sender=1), "its senders disagree"),
         (header(sender=1, num_senders=3), "its senders disagree"),
         (header(sender=1, num_tensors=4), "its senders disagree"),
+        (header(sender=1, update_id="v"), "its senders disagree"),
         (header(sender=0), "sender 0 of policy_version 1 came twice"),
     ],
-    ids=["version", "count", "tensors", "twice"],
+    ids=["version", "count", "tensors", "update_id", "twice"],
 )
 def test_a_sender_that_disagrees_refuses_the_whole_update(second, message):
     async def run():
