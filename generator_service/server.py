@@ -218,11 +218,29 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     "in (GetStatus tells which version serves)",
                 ))  # fmt: skip
             raise
-        except Exception as error:
-            update.fail(WeightUpdateError(
-                grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
-            ))  # fmt: skip
-            raise
+        except Exception:
+            # Every sender gets the same answer, which names no internals (the log has them).
+            logger.exception("weight update of policy_version %d failed",
+                             update.key.policy_version)  # fmt: skip
+            update.fail(self._internal_error(update.key.policy_version))
+            raise update.error() from None
+
+    def _internal_error(self, policy_version: int) -> WeightUpdateError:
+        """The answer to an update that failed on an unexpected error of the server's own
+        (logged by the caller): INTERNAL, what the engine serves now, and no class names,
+        messages or paths of the server's."""
+        version = self._engine.policy_version
+        served = (
+            f"the served weights (policy_version {version}) are unchanged"
+            if self._engine.serving
+            else "the served weights are in an unknown state (NOT_SERVING until a complete "
+            "update succeeds)"
+        )
+        return WeightUpdateError(
+            grpc.StatusCode.INTERNAL,
+            f"policy_version {policy_version} was refused on an internal error of the server "
+            f"(see the server's log); {served}",
+        )
 
     async def _prepare(self, update: Update) -> None:
         """Under the update lock, before any byte is received: the assembler and the staging
@@ -387,6 +405,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 )
             except WeightUpdateError as error:
                 logger.warning("shared weight update refused: %s", error.message)
+                await context.abort(error.code, error.message)
+            except Exception:
+                logger.exception("shared weight update of policy_version %d failed",
+                                 request.policy_version)  # fmt: skip
+                error = self._internal_error(request.policy_version)
                 await context.abort(error.code, error.message)
             finally:
                 if stage_id:  # begun, and the update ended before its swap

@@ -188,12 +188,15 @@ class UpdateJoiner:
                         update.ready.set()
                     except WeightUpdateError as error:
                         update.fail(error)
-                    except Exception as error:  # noqa: BLE001 - every sender is answered
+                    except Exception:  # noqa: BLE001 - every sender is answered
+                        # What failed is the server's business (its log's): the senders are
+                        # told that the server, not their update, was at fault.
                         logger.exception("preparing a weight update failed")
                         update.fail(WeightUpdateError(
                             grpc.StatusCode.INTERNAL,
-                            f"preparing the update failed: {type(error).__name__}: {error}; "
-                            "the served weights are unchanged",
+                            f"preparing policy_version {update.key.policy_version} failed on "
+                            "an internal error of the server (see the server's log); the served "
+                            "weights are unchanged",
                         ))  # fmt: skip
                 await asyncio.wait((update.result,))
             finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
+import logging
 import math
 import os
 import shutil
@@ -34,6 +35,8 @@ import grpc
 
 from jaxrlhf_wire.dtypes import SAFETENSORS_TO_WIRE, WIRE_DTYPES, tensor_nbytes
 from jaxrlhf_wire.files import ALIGNMENT, PROGRESS_BYTES, aligned, remove_stale_files
+
+logger = logging.getLogger(__name__)
 
 # Every tensor's region starts on a page boundary: aligned views when the engine maps the file.
 STAGING_ALIGNMENT = ALIGNMENT  # the learner's shared files use the same
@@ -559,7 +562,7 @@ class StagingFile:
         except OSError as error:
             raise WeightUpdateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"cannot create a staging file in {directory}: {error}",
+                f"cannot create a staging file in {directory}: {error.strerror}",
             ) from error
         self._fd: int | None = fd
         self._max_pending = max_pending
@@ -603,9 +606,12 @@ class StagingFile:
         try:
             await self._pending.popleft()
         except OSError as error:
+            # The file is the server's own: its path goes to the log, the folder (the status's
+            # shared_weights_dir) and the reason to the client.
+            logger.error("writing the staging file %s failed: %s", self.path, error)
             raise WeightUpdateError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"could not stage the update in {self.path}: {error}",
+                f"could not stage the update in {self.directory}: {error.strerror}",
             ) from error
 
     def _write(self, pieces: list[tuple[int, memoryview]]) -> None:

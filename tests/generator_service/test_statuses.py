@@ -7,6 +7,9 @@ test_shared_weights.py and test_in_flight.py).
   count stands still. It is answered ABORTED (the learner's pool then fails the replica and
   brings it back, instead of ending the run), naming what stalled, for how long, and that the
   served weights are unchanged.
+- An unexpected failure in the server answers every sender of the update alike, INTERNAL, with
+  a message that names the problem and none of the server's internals (exception classes,
+  their messages, paths): those go to the server's log.
 - GetStatus.update_id names the update that put the served weights in place: empty for the
   weights the server started with, after an update sent without one, and after a swap that
   left the weights unknown; a refused update leaves it as it was.
@@ -15,12 +18,14 @@ test_shared_weights.py and test_in_flight.py).
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 
 import grpc
 import numpy as np
 import pytest
 
+from generator_service import failpoints
 from generator_service.weights import TensorSpec
 from jaxrlhf_wire.chunks import TensorSlice, iter_weight_chunks
 
@@ -32,6 +37,9 @@ TENSORS = {
 }
 SPECS = {name: TensorSpec(name, value.shape, "F32") for name, value in TENSORS.items()}
 SENDERS_TIMEOUT_S = 0.5
+# What a status must not show of the server: an exception's class, a failpoint's message, a
+# path of the server's.
+INTERNALS = re.compile(r"\b[A-Z]\w*(Error|Exception)\b|failpoint|Traceback|/tmp/|/dev/shm/")
 
 
 @pytest.fixture
@@ -123,6 +131,26 @@ def test_a_progressive_count_that_stands_still_is_a_transient_refusal(client, re
     assert (client.status().policy_version, replica.engine.swaps) == (0, [])
 
 
+def test_an_unexpected_failure_answers_every_sender_alike_without_internals(
+    client, replica, tmp_path, monkeypatch
+):
+    """A failpoint raises where nothing is expected to (in the last sender's call, before the
+    swap): before, that sender's call ended UNKNOWN ("Unexpected <class '...FailpointError'>")
+    and the other's INTERNAL ("FailpointError: failpoint update_weights 1 fail")."""
+    armed = tmp_path / "failpoints"
+    armed.write_text("update_weights 1 fail\n")
+    monkeypatch.setenv(failpoints.ENV, str(armed))
+    message = _refused_alike(_send(client, 1, ["u", "u"]), grpc.StatusCode.INTERNAL)
+    assert not armed.exists(), "the failpoint never fired"
+    assert not INTERNALS.search(message), message
+    assert "internal error" in message and "server's log" in message
+    assert "the served weights (policy_version 0) are unchanged" in message
+    status = client.status()
+    assert (status.policy_version, status.serving) == (0, True)
+    _taken(_send(client, 1, ["u", "u"]))  # and the next update goes through
+    assert client.status().policy_version == 1
+
+
 def _shared_update(client, replica, version: int, update_id: str):
     from jaxrlhf.rpc.shared import SharedWeightsFile
 
@@ -170,3 +198,20 @@ def test_an_update_whose_streams_or_chunks_disagree_on_its_id_is_refused(client)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "update_id 'b'" in refused.value.details()
     assert client.status().policy_version == 0
+
+
+def test_a_generate_call_failing_unexpectedly_names_no_internals():
+    """What the engine raised that nobody expected: the call ends INTERNAL without its class or
+    message (before: "RuntimeError: ... /dev/shm/..."); a request the engine refuses keeps the
+    engine's reason, which is about the request."""
+    from vllm.exceptions import VLLMClientError
+
+    from generator_service.engine import _first_error
+
+    unexpected = _first_error(RuntimeError("mmap of /dev/shm/jaxrlhf-weights-1-x.bin failed"))
+    assert unexpected.code == grpc.StatusCode.INTERNAL
+    assert not INTERNALS.search(unexpected.message), unexpected.message
+    assert "internal error" in unexpected.message and "server's log" in unexpected.message
+    refused = _first_error(ExceptionGroup("call", [VLLMClientError("temperature 2.5 > 2")]))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature 2.5 > 2" in refused.message

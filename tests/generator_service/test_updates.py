@@ -21,11 +21,13 @@ def header(version=1, sender=0, num_senders=2, num_tensors=3, allow_rollback=Fal
                            update_id=update_id)  # fmt: skip
 
 
-def joiner(timeout=5.0, events=None):
+def joiner(timeout=5.0, events=None, prepare_fails=None):
     events = [] if events is None else events
 
     async def prepare(update):
         events.append(("prepare", update.key.policy_version))
+        if prepare_fails is not None:
+            raise prepare_fails
 
     async def release(update):
         await asyncio.sleep(0.01)  # the writes settling
@@ -124,5 +126,24 @@ def test_a_stream_alone_is_its_own_update_beside_an_open_one():
         open_one.succeed("done")
         await alone.wait_ready()
         alone.succeed("done")
+
+    asyncio.run(run())
+
+
+def test_a_failure_to_prepare_is_answered_without_the_servers_internals():
+    """The staging folder gone (say): every sender is told the update was refused on an
+    internal error, not the exception's class nor its message (a path of the server's)."""
+
+    async def run():
+        missing = FileNotFoundError(2, "No such file or directory", "/dev/shm/jaxrlhf-weights-1")
+        updates, _ = joiner(prepare_fails=missing)
+        update, _ = updates.join(header(num_senders=1))
+        with pytest.raises(WeightUpdateError) as caught:
+            await update.wait_ready()
+        assert caught.value.code == grpc.StatusCode.INTERNAL
+        message = caught.value.message
+        assert "preparing policy_version 1 failed on an internal error" in message
+        assert "FileNotFoundError" not in message and "/dev/shm" not in message, message
+        assert "the served weights are unchanged" in message
 
     asyncio.run(run())
