@@ -186,14 +186,22 @@ class Occupancy:
         self._paused = paused
 
     def totals(self) -> tuple[float, float]:
-        """(idle seconds, request-seconds) up to now."""
+        """(idle seconds, request-seconds) up to now (`seconds`: the span they cover)."""
         self._advance()
         return self.idle_seconds, self.request_seconds
+
+    @property
+    def seconds(self) -> float:
+        """Seconds since the start, up to the last reading of the totals: the span they cover,
+        on this clock. A client that divides their change between two readings by its own
+        clock's interval instead is off by the difference of its two calls' latencies: above 1
+        at a full engine when the first answer took longer than the second."""
+        return self._since - self._started
 
     def fraction(self) -> float:
         """Request-seconds ÷ (seconds × capacity) since the start, in [0, 1]."""
         self._advance()
-        seconds = self._since - self._started
+        seconds = self.seconds
         return self.request_seconds / (seconds * self.capacity) if seconds > 0 else 0.0
 
 

@@ -517,7 +517,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     async def GetStatus(self, request, context) -> generator_pb2.GeneratorStatus:
         engine = self._engine
-        idle_seconds, request_seconds = engine.occupancy.totals()
+        (idle_seconds, request_seconds), uptime_seconds = (engine.occupancy.totals(),
+                                                           engine.occupancy.seconds)  # fmt: skip
         return generator_pb2.GeneratorStatus(
             model=engine.config.model,
             policy_version=engine.policy_version,
@@ -537,6 +538,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             in_flight_kv=engine.config.in_flight_kv if engine.in_flight else "",
             idle_seconds=idle_seconds,
             request_seconds=request_seconds,
+            uptime_seconds=uptime_seconds,
             max_num_seqs=engine.max_num_seqs,
             occupancy=engine.occupancy.fraction(),
             stage_seconds=self.last_swap.stage_seconds,

@@ -160,7 +160,7 @@ LAG_S = 0.05
 def _over_one_call(client, samples: int, max_tokens: int = 128):
     """One call of `samples` samples of a prompt, between two GetStatus: (the change of
     request_seconds, of idle_seconds, the completions, the client's wall time from before the
-    first status to after the second)."""
+    first status to after the second, the statuses)."""
     started = time.monotonic()
     before = client.status()
     completions = list(client.generate([FILLERS[0]], max_tokens=max_tokens, n=samples,
@@ -168,7 +168,8 @@ def _over_one_call(client, samples: int, max_tokens: int = 128):
     after = client.status()
     wall = time.monotonic() - started
     return (after.request_seconds - before.request_seconds,
-            after.idle_seconds - before.idle_seconds, completions, wall)  # fmt: skip
+            after.idle_seconds - before.idle_seconds, completions, wall,
+            (before, after))  # fmt: skip
 
 
 def test_request_seconds_count_the_requests_generating(in_flight):
@@ -181,7 +182,7 @@ def test_request_seconds_count_the_requests_generating(in_flight):
     most MAX_NUM_SEQS x the wall time the client measured around the two statuses, though the
     samples' own times add up to more (a queued request does not generate, and is not
     counted)."""
-    requests, idle, completions, wall = _over_one_call(in_flight.client, MAX_NUM_SEQS)
+    requests, idle, completions, wall, _ = _over_one_call(in_flight.client, MAX_NUM_SEQS)
     in_engine = [c.finished_unix_time - c.submitted_unix_time for c in completions]
     assert len(in_engine) == MAX_NUM_SEQS
     # (A sample's count starts up to a few ms after its stamp, while the call's requests are
@@ -190,10 +191,20 @@ def test_request_seconds_count_the_requests_generating(in_flight):
         requests, in_engine)  # fmt: skip
     assert 0 <= idle <= wall - max(in_engine) + LAG_S, (idle, wall, in_engine)
 
-    requests, _, completions, wall = _over_one_call(in_flight.client, 2 * MAX_NUM_SEQS)
+    requests, _, completions, wall, (before, after) = _over_one_call(in_flight.client,
+                                                                     2 * MAX_NUM_SEQS)  # fmt: skip
     in_engine = [c.finished_unix_time - c.submitted_unix_time for c in completions]
     assert sum(in_engine) > MAX_NUM_SEQS * wall, "no request queued: nothing was checked"
     assert requests <= MAX_NUM_SEQS * wall, (requests, wall, in_engine)
+
+    # The span the totals cover, on the server's clock (uptime_seconds), lies within the
+    # client's, and bounds them as the client's does: occupancy over an interval is the change
+    # of request_seconds / (the change of uptime_seconds x max_num_seqs), at most 1, where the
+    # client's own clock adds the difference of the two calls' latencies.
+    span = after.uptime_seconds - before.uptime_seconds
+    assert 0 < span <= wall and requests <= MAX_NUM_SEQS * span, (span, wall, requests)
+    assert after.occupancy == pytest.approx(  # (read a moment later)
+        after.request_seconds / (after.uptime_seconds * MAX_NUM_SEQS), rel=1e-3)  # fmt: skip
 
 
 def test_max_running_is_refused_under_in_flight_swaps(in_flight):
