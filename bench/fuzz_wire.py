@@ -10,9 +10,9 @@ What is sent, one input at a time, to a real server (a vLLM engine behind gRPC o
 - UpdateWeights streams: the served weights, encoded as the learner encodes them, then mutated:
   chunks dropped, duplicated, swapped, cut short, the stream stopped early or cancelled half-way,
   header fields set in one chunk or in all (version, tensor count, name, dtype, shape, offset,
-  rollback), bytes overwritten or inserted anywhere in a chunk's serialised bytes, extra raw
-  protobuf fields and random chunks added. Every chunk sent is also decoded by the server's own
-  decoder (`decode_weight_chunk`) and by protobuf: both must agree.
+  rollback, senders, slices, update_id), bytes overwritten or inserted anywhere in a chunk's
+  serialised bytes, extra raw protobuf fields and random chunks added. Every chunk sent is also
+  decoded by the server's own decoder (`decode_weight_chunk`) and by protobuf: both must agree.
 - UpdateWeightsShared requests: a real shared file of the served weights, with its tensor list
   mutated and its path replaced (missing, outside the shared folder, a symbolic link out, the
   folder itself, a truncated copy, an embedded NUL, arbitrary text).
@@ -78,6 +78,8 @@ ALLOWED = {
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.DATA_LOSS,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
+        # A stream that says it is one of several, whose other senders never come.
+        grpc.StatusCode.ABORTED,
     },
     "UpdateWeightsShared": {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -194,6 +196,7 @@ def stream_cases(names: list[str], shapes: list[tuple[int, ...]]):
         # refused: the server under fuzz waits only a few seconds, --senders-timeout).
         "num_senders": st.integers(0, 3),
         "sender": st.integers(0, 3),
+        "update_id": TEXT,  # set in one chunk: the chunks of the stream disagree
         "slice_start": st.lists(st.integers(-2, 300), max_size=3),
         "slice_shape": st.lists(st.integers(-2, 300), max_size=3),
     }

@@ -186,14 +186,22 @@ class Occupancy:
         self._paused = paused
 
     def totals(self) -> tuple[float, float]:
-        """(idle seconds, request-seconds) up to now."""
+        """(idle seconds, request-seconds) up to now (`seconds`: the span they cover)."""
         self._advance()
         return self.idle_seconds, self.request_seconds
+
+    @property
+    def seconds(self) -> float:
+        """Seconds since the start, up to the last reading of the totals: the span they cover,
+        on this clock. A client that divides their change between two readings by its own
+        clock's interval instead is off by the difference of its two calls' latencies: above 1
+        at a full engine when the first answer took longer than the second."""
+        return self._since - self._started
 
     def fraction(self) -> float:
         """Request-seconds ÷ (seconds × capacity) since the start, in [0, 1]."""
         self._advance()
-        seconds = self._since - self._started
+        seconds = self.seconds
         return self.request_seconds / (seconds * self.capacity) if seconds > 0 else 0.0
 
 
@@ -748,10 +756,13 @@ class GeneratorEngine:
             failed = [s["error"] for s in statuses if s["state"] in ("failed", "none")]
             if failed:
                 await self.drop_stage()
+                # The worker's error (an exception of torch or vLLM) is for the log only.
+                logger.error("staging policy_version %d failed: %s", policy_version,
+                             failed[0] or "the stage was gone")  # fmt: skip
                 raise WeightUpdateError(
                     grpc.StatusCode.INTERNAL,
-                    f"staging policy_version {policy_version} failed: "
-                    f"{failed[0] or 'the stage was gone'}; the served weights (policy_version "
+                    f"staging policy_version {policy_version} failed in the engine's worker "
+                    "(see the server's log); the served weights (policy_version "
                     f"{self.policy_version}) are unchanged",
                 )
             if all(s["state"] == "done" for s in statuses):
@@ -818,9 +829,9 @@ class GeneratorEngine:
                 await self._llm.pause_generation(mode="abort", clear_cache=False)
             raise WeightUpdateError(
                 grpc.StatusCode.INTERNAL,
-                f"the engine failed while loading policy_version {policy_version}: {error}; "
-                "its weights are now in an unknown state and it reports NOT_SERVING until a "
-                "complete update succeeds",
+                f"the engine failed while loading policy_version {policy_version} (see the "
+                "server's log); its weights are now in an unknown state and it reports "
+                "NOT_SERVING until a complete update succeeds",
             ) from error
         finally:
             self.occupancy.paused(False)
@@ -896,7 +907,9 @@ def _manifest(tensors: list[StagedTensor]) -> list:
 
 
 def _first_error(error: BaseException) -> BaseException:
-    """The first leaf of a TaskGroup's exception group, mapped to a GenerateError if unknown."""
+    """The first leaf of a TaskGroup's exception group, mapped to a GenerateError if unknown.
+    vLLM's refusal of a request keeps its reason (it is about the request); what else failed
+    goes to the log, and the client is told what happened, not the server's internals."""
     while isinstance(error, BaseExceptionGroup):
         error = error.exceptions[0]
     if isinstance(error, GenerateError):
@@ -906,6 +919,13 @@ def _first_error(error: BaseException) -> BaseException:
 
     if isinstance(error, VLLMClientError):
         return GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    logger.error("a Generate call failed", exc_info=error)
     if isinstance(error, EngineDeadError):
-        return GenerateError(grpc.StatusCode.UNAVAILABLE, f"the engine died: {error}")
-    return GenerateError(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+        return GenerateError(
+            grpc.StatusCode.UNAVAILABLE,
+            "the engine died (see the server's log); the server exits, to be restarted",
+        )
+    return GenerateError(
+        grpc.StatusCode.INTERNAL,
+        "the call failed on an internal error of the server (see the server's log)",
+    )

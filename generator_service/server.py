@@ -48,7 +48,7 @@ from generator_service.weights import (
 )
 from jaxrlhf_wire import ADMITTED_VERSION_HEADER, READY_LINE
 from jaxrlhf_wire.chunks import CHANNEL_OPTIONS, MalformedChunkError, decode_weight_chunk
-from jaxrlhf_wire.files import PROGRESS_ABANDONED
+from jaxrlhf_wire.files import PROGRESS_ABANDONED, read_progress_count
 from jaxrlhf_wire.hosts import is_local_peer
 from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2, generator_pb2_grpc
 
@@ -83,6 +83,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                                      self._release)  # fmt: skip
         # The last successful update's (stage, pause) seconds, for GetStatus.
         self.last_swap = SwapTimes()
+        # The update_id of the update that put the served weights in place (`_swap_in`).
+        self._served_update_id = ""
         self._staging: StagingFile | None = None  # created by the first update
 
     async def Generate(self, request: generator_pb2.GenerateRequest, context):
@@ -180,6 +182,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     header.slice_start,
                     header.slice_shape,
                     header.num_senders,
+                    update_id=header.update_id,
                 )
                 await write_and_feed(update.assembler, update.staging, pieces, update.feeder)
                 chunk = await anext(chunks, None)
@@ -215,11 +218,29 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                     "in (GetStatus tells which version serves)",
                 ))  # fmt: skip
             raise
-        except Exception as error:
-            update.fail(WeightUpdateError(
-                grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
-            ))  # fmt: skip
-            raise
+        except Exception:
+            # Every sender gets the same answer, which names no internals (the log has them).
+            logger.exception("weight update of policy_version %d failed",
+                             update.key.policy_version)  # fmt: skip
+            update.fail(self._internal_error(update.key.policy_version))
+            raise update.error() from None
+
+    def _internal_error(self, policy_version: int) -> WeightUpdateError:
+        """The answer to an update that failed on an unexpected error of the server's own
+        (logged by the caller): INTERNAL, what the engine serves now, and no class names,
+        messages or paths of the server's."""
+        version = self._engine.policy_version
+        served = (
+            f"the served weights (policy_version {version}) are unchanged"
+            if self._engine.serving
+            else "the served weights are in an unknown state (NOT_SERVING until a complete "
+            "update succeeds)"
+        )
+        return WeightUpdateError(
+            grpc.StatusCode.INTERNAL,
+            f"policy_version {policy_version} was refused on an internal error of the server "
+            f"(see the server's log); {served}",
+        )
 
     async def _prepare(self, update: Update) -> None:
         """Under the update lock, before any byte is received: the assembler and the staging
@@ -272,9 +293,9 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             else:  # staged from scratch by the swap
                 await finish_despite_cancellation(asyncio.ensure_future(self._engine.drop_stage()))
             update.feeder = None  # (after the drop: if it is cancelled, `_release` drops it)
-        swap = await self._engine.swap_weights(
+        swap = await self._swap_in(
             staging.path, tensors, assembler.policy_version, assembler.allow_rollback,
-            stage_id=stage_id,
+            stage_id, update.key.update_id,
         )  # fmt: skip
         self.last_swap = swap = dataclasses.replace(
             swap, stage_seconds=received_seconds + swap.stage_seconds
@@ -302,6 +323,37 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             stage_seconds=swap.stage_seconds,
             stage_tokens=swap.stage_tokens,
         )
+
+    async def _swap_in(
+        self,
+        path: str,
+        tensors: list,
+        policy_version: int,
+        allow_rollback: bool,
+        stage_id: int,
+        update_id: str,
+    ) -> SwapTimes:
+        """`Engine.swap_weights`, keeping the update_id of the served weights (GetStatus):
+        `update_id` once the swap is done, also when this call is cancelled after the swap's
+        pause began (the swap then runs to its end: the engine serves `policy_version`, and a
+        learner whose answer was lost can tell its update was applied); empty once a swap left
+        the weights unknown. A cancelled rollback to the version already served cannot be told
+        from one dropped before its pause: empty then (unknown), never another update's id."""
+        served_before = self._engine.policy_version
+        try:
+            swap = await self._engine.swap_weights(
+                path, tensors, policy_version, allow_rollback, stage_id=stage_id
+            )
+        except asyncio.CancelledError:
+            if self._engine.serving and self._engine.policy_version == policy_version:
+                self._served_update_id = update_id if policy_version != served_before else ""
+            raise
+        except Exception:
+            if not self._engine.serving:
+                self._served_update_id = ""
+            raise
+        self._served_update_id = update_id
+        return swap
 
     async def UpdateWeightsShared(
         self, request: generator_pb2.SharedWeights, context
@@ -344,15 +396,20 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                 checked_seconds = time.monotonic() - started
                 failpoints.hit("update_weights")  # (chaos tests only)
                 handed, stage_id = stage_id, 0  # the swap drops it from here on
-                swap = await self._engine.swap_weights(
-                    path, tensors, request.policy_version, request.allow_rollback,
-                    stage_id=handed,
+                swap = await self._swap_in(
+                    path, tensors, request.policy_version, request.allow_rollback, handed,
+                    request.update_id,
                 )  # fmt: skip
                 self.last_swap = swap = dataclasses.replace(
                     swap, stage_seconds=checked_seconds + swap.stage_seconds
                 )
             except WeightUpdateError as error:
                 logger.warning("shared weight update refused: %s", error.message)
+                await context.abort(error.code, error.message)
+            except Exception:
+                logger.exception("shared weight update of policy_version %d failed",
+                                 request.policy_version)  # fmt: skip
+                error = self._internal_error(request.policy_version)
                 await context.abort(error.code, error.message)
             finally:
                 if stage_id:  # begun, and the update ended before its swap
@@ -386,11 +443,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     async def _follow(self, path: str, tensors: list, stage_id: int, version: int) -> int:
         """Until the learner has written every tensor of a progressive shared update (its count
-        in the file's first 8 bytes: `SharedWeights.progressive`), handing each written tensor
+        in the file's first 8 bytes: `SharedWeights.progressive`, read under the file's lock:
+        `jaxrlhf_wire.files.read_progress_count`), handing each written tensor
         to stage `stage_id` (0: none); returns the stage, or 0 when feeding it failed (it is
         then dropped, and the swap stages from scratch). Raises WeightUpdateError if the writer
-        gives up, the count goes wrong, the file cannot be read, or the count stands still for
-        `senders_timeout` seconds."""
+        gives up or the count stands still for `senders_timeout` seconds (ABORTED: it may be
+        sent again), the count goes wrong, or the file cannot be read."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as error:
@@ -401,13 +459,15 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             fed, moved, poll = 0, time.monotonic(), PROGRESS_POLL_SECONDS[0]
             while fed < len(tensors):
                 try:
-                    count = int.from_bytes(os.pread(fd, 8, 0), "little")
+                    count = read_progress_count(fd)
                 except OSError as error:
                     raise WeightUpdateError(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"the shared file's count cannot be read: {error}",
                     ) from error
-                if count == PROGRESS_ABANDONED:
+                if count is None:  # a store holds the lock: no news yet
+                    count = fed
+                elif count == PROGRESS_ABANDONED:
                     raise WeightUpdateError(
                         grpc.StatusCode.ABORTED,
                         f"the learner gave up writing policy_version {version} into the shared "
@@ -432,11 +492,15 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
                             stage_id = 0
                     fed, moved, poll = count, time.monotonic(), PROGRESS_POLL_SECONDS[0]
                 elif time.monotonic() - moved > self._updates.join_timeout:
+                    # Transient (a learner slow to convert, on busy cores): ABORTED, not a
+                    # precondition, so that the learner fails this replica and brings it back
+                    # instead of ending its run.
                     raise WeightUpdateError(
-                        grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.ABORTED,
                         f"the shared file of policy_version {version} gained no tensor for "
-                        f"{self._updates.join_timeout:g} s ({fed} of {len(tensors)} written); "
-                        "the update is refused and the served weights are unchanged",
+                        f"{self._updates.join_timeout:g} s ({fed} of {len(tensors)} written): "
+                        "the learner's writes stalled; the update is refused, the served "
+                        "weights are unchanged, and it may be sent again",
                     )
                 else:
                     await asyncio.sleep(poll)
@@ -453,7 +517,8 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     async def GetStatus(self, request, context) -> generator_pb2.GeneratorStatus:
         engine = self._engine
-        idle_seconds, request_seconds = engine.occupancy.totals()
+        (idle_seconds, request_seconds), uptime_seconds = (engine.occupancy.totals(),
+                                                           engine.occupancy.seconds)  # fmt: skip
         return generator_pb2.GeneratorStatus(
             model=engine.config.model,
             policy_version=engine.policy_version,
@@ -473,6 +538,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             in_flight_kv=engine.config.in_flight_kv if engine.in_flight else "",
             idle_seconds=idle_seconds,
             request_seconds=request_seconds,
+            uptime_seconds=uptime_seconds,
             max_num_seqs=engine.max_num_seqs,
             occupancy=engine.occupancy.fraction(),
             stage_seconds=self.last_swap.stage_seconds,
@@ -482,6 +548,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             staged_swaps_off=engine.stage_unsupported
             or ("" if engine.config.stage else "started with --no-stage"),
             shared_progress=True,
+            update_id=self._served_update_id,
         )
 
     async def _publish_health(self) -> None:

@@ -80,6 +80,18 @@ LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 FEED_TIMEOUT_S = 600.0
 
 
+def staging_cuda_device(device: torch.device | str) -> torch.device | None:
+    """The CUDA device a stage's thread makes current: its worker's `device` (None for a worker
+    not on CUDA: nothing to set). torch's current device belongs to a thread and a new thread's
+    is GPU 0, so without it a tensor-parallel rank above 0 would make its stream, and run its
+    kernels, on GPU 0. Call it in the worker's thread: "cuda" without an index means that
+    thread's current device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def _layer_of(name: str) -> str:
     """The `LAYER` of a checkpoint tensor's name ("" for the tensors outside the layers)."""
     match = LAYER.match(name)
@@ -262,10 +274,13 @@ class Stage:
     (one per feed) is called once those views are no longer read. `state` is "running",
     "done", "failed" (with `error`), "unsupported" (the model cannot be staged: reload it in
     the pause) or, after `commit`, "committed"; `seconds` the thread's time; `threads` the CPU
-    threads of its torch ops (0: torch's default)."""
+    threads of its torch ops (0: torch's default); `device` the worker's (on CUDA, the thread
+    stages on it: `staging_cuda_device`). Create it in the worker's thread."""
 
-    def __init__(self, model: torch.nn.Module, expected: Sequence[str], threads: int = 0):
+    def __init__(self, model: torch.nn.Module, expected: Sequence[str], threads: int = 0, *,
+                 device: torch.device | str) -> None:  # fmt: skip
         self.model = model
+        self._cuda_device = staging_cuda_device(device)
         self.state = "running"
         self.error = ""
         self.seconds = 0.0
@@ -320,8 +335,9 @@ class Stage:
                 # This thread's OpenMP team only (the ICV is per thread). vLLM's CPU worker
                 # replaces torch.set_num_threads by a no-op to keep its own threads' binding.
                 torch._C.set_num_threads(self._threads)
-            if torch.cuda.is_available():
-                self._stream = torch.cuda.Stream()
+            if self._cuda_device is not None:
+                torch.cuda.set_device(self._cuda_device)  # (this thread's, for its lifetime)
+                self._stream = torch.cuda.Stream(self._cuda_device)
                 with torch.no_grad(), torch.cuda.stream(self._stream):
                     self._stage()
                 self._stream.synchronize()
@@ -485,8 +501,8 @@ class Stage:
             for live, key, value in self._swaps:
                 self._retired.append(live.__dict__.get(key))
                 live.__dict__[key] = value
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()
+        if self._cuda_device is not None:
+            torch.cuda.current_stream(self._cuda_device).synchronize()
         self.state = "committed"
         self._copies, self._swaps = [], []
         return time.monotonic() - started

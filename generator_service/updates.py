@@ -11,10 +11,12 @@ response, or the same refusal.
 
 - The first stream of an update creates it; the others join it while it waits for them. A
   stream of several that disagrees with it (version, tensor count, rollback, number of
-  senders) or repeats a sender index is refused, and so is the whole update. A stream alone
-  (`num_senders` 0 or 1) is an update of its own, in turn after the open one.
+  senders, update_id) or repeats a sender index is refused, and so is the whole update. A
+  stream alone (`num_senders` 0 or 1) is an update of its own, in turn after the open one.
 - Senders that have not all joined within `join_timeout` seconds of the first: the update is
-  refused (FAILED_PRECONDITION, naming the missing ones).
+  refused, ABORTED (naming the missing ones). A stall is transient (a learner process slow to
+  start its stream, on busy cores): the learner fails the replica and brings it back, where a
+  precondition would end its run.
 - One stream's failure (a malformed chunk, an overlap, its call cancelled) refuses the update;
   the streams still sending are answered with it at their next chunk, those waiting at once.
 - An update is received only while it holds the servicer's update lock (one update at a time:
@@ -50,16 +52,18 @@ class UpdateKey:
     num_tensors: int
     allow_rollback: bool
     num_senders: int
+    update_id: str  # the learner's name for the update (GeneratorStatus.update_id)
 
     @classmethod
     def of(cls, header) -> UpdateKey:
         return cls(header.policy_version, header.num_tensors, header.allow_rollback,
-                   max(1, header.num_senders))  # fmt: skip
+                   max(1, header.num_senders), header.update_id)  # fmt: skip
 
     def describe(self) -> str:
         return (
             f"policy_version {self.policy_version}, num_tensors {self.num_tensors}, "
-            f"allow_rollback {self.allow_rollback}, num_senders {self.num_senders}"
+            f"allow_rollback {self.allow_rollback}, num_senders {self.num_senders}, "
+            f"update_id {self.update_id!r}"
         )
 
 
@@ -184,12 +188,15 @@ class UpdateJoiner:
                         update.ready.set()
                     except WeightUpdateError as error:
                         update.fail(error)
-                    except Exception as error:  # noqa: BLE001 - every sender is answered
+                    except Exception:  # noqa: BLE001 - every sender is answered
+                        # What failed is the server's business (its log's): the senders are
+                        # told that the server, not their update, was at fault.
                         logger.exception("preparing a weight update failed")
                         update.fail(WeightUpdateError(
                             grpc.StatusCode.INTERNAL,
-                            f"preparing the update failed: {type(error).__name__}: {error}; "
-                            "the served weights are unchanged",
+                            f"preparing policy_version {update.key.policy_version} failed on "
+                            "an internal error of the server (see the server's log); the served "
+                            "weights are unchanged",
                         ))  # fmt: skip
                 await asyncio.wait((update.result,))
             finally:
@@ -209,10 +216,11 @@ class UpdateJoiner:
             if self._open is update:
                 self._open = None
             update.fail(WeightUpdateError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.ABORTED,
                 f"sender(s) {missing} of {update.key.num_senders} of policy_version "
                 f"{update.key.policy_version} never came within {self.join_timeout:g} s of "
-                "the first; the update is refused and the served weights are unchanged",
+                "the first; the update is refused, the served weights are unchanged, and it "
+                "may be sent again",
             ))  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import json
+import logging
 import math
 import os
 import shutil
@@ -34,6 +35,8 @@ import grpc
 
 from jaxrlhf_wire.dtypes import SAFETENSORS_TO_WIRE, WIRE_DTYPES, tensor_nbytes
 from jaxrlhf_wire.files import ALIGNMENT, PROGRESS_BYTES, aligned, remove_stale_files
+
+logger = logging.getLogger(__name__)
 
 # Every tensor's region starts on a page boundary: aligned views when the engine maps the file.
 STAGING_ALIGNMENT = ALIGNMENT  # the learner's shared files use the same
@@ -274,6 +277,7 @@ class WeightAssembler:
         self.num_tensors: int | None = None
         self.allow_rollback = False
         self.num_senders = 1
+        self.update_id = ""
         self.num_chunks = 0
         self.num_bytes = 0
         self.staged_bytes = 0  # the end of the last region handed out: the file's size
@@ -293,6 +297,7 @@ class WeightAssembler:
         slice_start: Iterable[int] = (),
         slice_shape: Iterable[int] = (),
         num_senders: int = 0,
+        update_id: str = "",
     ) -> list[tuple[int, memoryview]]:
         """Checks one chunk; returns (byte position in the staging file, bytes) for each part
         of `data` (one, unless the chunk carries a slice whose rows lie apart in the tensor).
@@ -304,19 +309,21 @@ class WeightAssembler:
         num_senders = max(1, num_senders)
         if self.policy_version is None:
             self._check_header(policy_version, num_tensors, allow_rollback)
-            self.num_senders = num_senders
-        elif (policy_version, num_tensors, allow_rollback, num_senders) != (
+            self.num_senders, self.update_id = num_senders, update_id
+        elif (policy_version, num_tensors, allow_rollback, num_senders, update_id) != (
             self.policy_version,
             self.num_tensors,
             self.allow_rollback,
             self.num_senders,
+            self.update_id,
         ):
             raise _invalid(
                 f"{where} has policy_version {policy_version}, num_tensors {num_tensors}, "
-                f"allow_rollback {allow_rollback}, num_senders {num_senders}; the update "
-                f"started with {self.policy_version}, {self.num_tensors}, "
-                f"{self.allow_rollback}, {self.num_senders}: every chunk of one update must "
-                "carry the same values, from every sender"
+                f"allow_rollback {allow_rollback}, num_senders {num_senders}, update_id "
+                f"{update_id!r}; the update started with {self.policy_version}, "
+                f"{self.num_tensors}, {self.allow_rollback}, {self.num_senders}, "
+                f"{self.update_id!r}: every chunk of one update must carry the same values, "
+                "from every sender"
             )
         partial = self._tensors.get(name)
         if partial is None:
@@ -555,7 +562,7 @@ class StagingFile:
         except OSError as error:
             raise WeightUpdateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"cannot create a staging file in {directory}: {error}",
+                f"cannot create a staging file in {directory}: {error.strerror}",
             ) from error
         self._fd: int | None = fd
         self._max_pending = max_pending
@@ -599,9 +606,12 @@ class StagingFile:
         try:
             await self._pending.popleft()
         except OSError as error:
+            # The file is the server's own: its path goes to the log, the folder (the status's
+            # shared_weights_dir) and the reason to the client.
+            logger.error("writing the staging file %s failed: %s", self.path, error)
             raise WeightUpdateError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"could not stage the update in {self.path}: {error}",
+                f"could not stage the update in {self.directory}: {error.strerror}",
             ) from error
 
     def _write(self, pieces: list[tuple[int, memoryview]]) -> None:

@@ -187,7 +187,8 @@ class WeightReloadExtension:
             return "compiled CPU models are reloaded in the pause"
         if not torch.cuda.is_available():
             keep_freed_memory(trim_bytes=2 * _model_bytes(self.model_runner.get_model()) + GIB)
-        self._jaxrlhf_stage = Stage(self.model_runner.get_model(), expected, threads)
+        self._jaxrlhf_stage = Stage(self.model_runner.get_model(), expected, threads,
+                                    device=self.device)  # fmt: skip
         self._jaxrlhf_stage_id = stage_id
         return ""
 

@@ -17,9 +17,10 @@ next update only after every replica answered the last one.
 Written as it is staged (`SharedWeights.progressive`, for servers whose status says
 `shared_progress`): the request goes out first (`begin_progress`, then `request(...,
 progressive=True)`), and `write(..., progress=True)` counts the tensors written so far in the
-file's first bytes (`PROGRESS_BYTES`; no tensor lies in the first page), so that each server
-stages the layers already written while the learner writes the next. A write that fails marks
-the file abandoned (`PROGRESS_ABANDONED`) and the servers refuse the update.
+file's first bytes (`PROGRESS_BYTES`; no tensor lies in the first page, and the count is stored
+under the file's lock: `jaxrlhf_wire.files.write_progress_count`), so that each server stages
+the layers already written while the learner writes the next. A write that fails marks the file
+abandoned (`PROGRESS_ABANDONED`) and the servers refuse the update.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from jaxrlhf_wire.files import (  # noqa: F401
     PROGRESS_BYTES,
     aligned,
     remove_stale_files,
+    write_progress_count,
 )
 from jaxrlhf_wire.stubs import generator_pb2
 
@@ -74,12 +76,12 @@ class SharedWeightsFile:
         self._count(0)
 
     def _count(self, count: int, fd: int | None = None) -> None:
-        # A write through the file, not a store into the map: the syscall orders it after the
-        # tensor's bytes on any CPU, and a reader (pread) sees both.
+        # Under the file's lock, never torn and seen after the tensors it counts
+        # (jaxrlhf_wire.files, where the server's read is too).
         own = fd is None
         fd = os.open(self.path, os.O_WRONLY) if own else fd
         try:
-            os.pwrite(fd, count.to_bytes(PROGRESS_BYTES, "little"), 0)
+            write_progress_count(fd, count)
         finally:
             if own:
                 os.close(fd)

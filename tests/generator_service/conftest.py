@@ -49,8 +49,13 @@ class ServedWeights:
     initial_completions: list
     initial_tensors: dict[str, np.ndarray]
 
-    def push(self, client, tensors: dict[str, np.ndarray], chunk_bytes: int = 1 << 16):
-        response = client.update_weights(tensors, self.policy_version + 1, chunk_bytes=chunk_bytes)
+    def push(self, client, tensors: dict[str, np.ndarray], chunk_bytes: int = 1 << 16,
+             update_id: str = ""):  # fmt: skip
+        from jaxrlhf_wire.chunks import encode_weight_chunks
+
+        chunks = encode_weight_chunks(tensors, self.policy_version + 1, chunk_bytes,
+                                      update_id=update_id)  # fmt: skip
+        response = client.update_weights_encoded(chunks)
         self.record(response.policy_version, tensors)
         return response
 

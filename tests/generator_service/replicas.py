@@ -78,9 +78,10 @@ class RecordingEngine:
 
 
 class RecordingReplica:
-    """The service's gRPC code on a `RecordingEngine`, served from a thread of this process."""
+    """The service's gRPC code on a `RecordingEngine`, served from a thread of this process;
+    `senders_timeout`: the server's --senders-timeout."""
 
-    def __init__(self, specs) -> None:
+    def __init__(self, specs, senders_timeout: float = 60.0) -> None:
         from grpc_health.v1 import health
 
         from generator_service.server import GeneratorServicer, add_generator_service
@@ -92,7 +93,8 @@ class RecordingReplica:
 
         async def start():
             server = grpc.aio.server(options=list(CHANNEL_OPTIONS))
-            servicer = GeneratorServicer(self.engine, health.aio.HealthServicer())
+            servicer = GeneratorServicer(self.engine, health.aio.HealthServicer(),
+                                         senders_timeout)  # fmt: skip
             add_generator_service(servicer, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf_wire.build import PROTO_PATH
-from jaxrlhf_wire.chunks import iter_weight_chunks
+from jaxrlhf_wire.chunks import encode_weight_chunks, iter_weight_chunks
 from tests.generator_service.test_senders import split
 from tests.generator_service.test_update_weights import perturbed
 
@@ -59,8 +59,9 @@ class Server:
         self.process, self.client, self.failpoints = process, client, failpoints
         self.version, self.tensors = 0, tensors
 
-    def push(self, tensors: dict[str, np.ndarray]):
-        response = self.client.update_weights(tensors, self.version + 1, chunk_bytes=1 << 16)
+    def push(self, tensors: dict[str, np.ndarray], update_id: str = ""):
+        chunks = encode_weight_chunks(tensors, self.version + 1, 1 << 16, update_id=update_id)
+        response = self.client.update_weights_encoded(chunks)
         self.version, self.tensors = response.policy_version, tensors
         return response
 
@@ -146,10 +147,64 @@ def _during_long_generation(server, action):
 def test_status_reports_the_mode(in_flight):
     status = in_flight.client.status()
     assert (status.swap_mode, status.in_flight_kv) == ("in-flight", in_flight.kv)
-    assert status.idle_seconds > 0 and status.request_seconds >= 0
-    assert status.max_num_seqs == MAX_NUM_SEQS and 0 <= status.occupancy <= 1
+    assert status.max_num_seqs == MAX_NUM_SEQS
     assert status.staged_swaps == in_flight.stage
     assert status.staged_swaps_off == ("" if in_flight.stage else "started with --no-stage")
+
+
+# How long after its submission a sample may start counting as generating (handing the call's
+# requests to the engine, on busy cores).
+LAG_S = 0.05
+
+
+def _over_one_call(client, samples: int, max_tokens: int = 128):
+    """One call of `samples` samples of a prompt, between two GetStatus: (the change of
+    request_seconds, of idle_seconds, the completions, the client's wall time from before the
+    first status to after the second, the statuses)."""
+    started = time.monotonic()
+    before = client.status()
+    completions = list(client.generate([FILLERS[0]], max_tokens=max_tokens, n=samples,
+                                       ignore_eos=True))  # fmt: skip
+    after = client.status()
+    wall = time.monotonic() - started
+    return (after.request_seconds - before.request_seconds,
+            after.idle_seconds - before.idle_seconds, completions, wall,
+            (before, after))  # fmt: skip
+
+
+def test_request_seconds_count_the_requests_generating(in_flight):
+    """GetStatus' request-seconds over one call, against measurements of their own.
+
+    As many samples as the engine runs at once: the change is the sum of the time each sample
+    spent in the engine, stamped by the server on its completion (submitted -> finished; the
+    count starts just after the one and ends just before the other), and the engine idled at
+    most the wall time minus the longest sample. Twice as many, half of them queued at first: at
+    most MAX_NUM_SEQS x the wall time the client measured around the two statuses, though the
+    samples' own times add up to more (a queued request does not generate, and is not
+    counted)."""
+    requests, idle, completions, wall, _ = _over_one_call(in_flight.client, MAX_NUM_SEQS)
+    in_engine = [c.finished_unix_time - c.submitted_unix_time for c in completions]
+    assert len(in_engine) == MAX_NUM_SEQS
+    # (A sample's count starts up to a few ms after its stamp, while the call's requests are
+    # handed over: LAG_S each.)
+    assert sum(in_engine) - MAX_NUM_SEQS * LAG_S <= requests <= sum(in_engine) + 1e-3, (
+        requests, in_engine)  # fmt: skip
+    assert 0 <= idle <= wall - max(in_engine) + LAG_S, (idle, wall, in_engine)
+
+    requests, _, completions, wall, (before, after) = _over_one_call(in_flight.client,
+                                                                     2 * MAX_NUM_SEQS)  # fmt: skip
+    in_engine = [c.finished_unix_time - c.submitted_unix_time for c in completions]
+    assert sum(in_engine) > MAX_NUM_SEQS * wall, "no request queued: nothing was checked"
+    assert requests <= MAX_NUM_SEQS * wall, (requests, wall, in_engine)
+
+    # The span the totals cover, on the server's clock (uptime_seconds), lies within the
+    # client's, and bounds them as the client's does: occupancy over an interval is the change
+    # of request_seconds / (the change of uptime_seconds x max_num_seqs), at most 1, where the
+    # client's own clock adds the difference of the two calls' latencies.
+    span = after.uptime_seconds - before.uptime_seconds
+    assert 0 < span <= wall and requests <= MAX_NUM_SEQS * span, (span, wall, requests)
+    assert after.occupancy == pytest.approx(  # (read a moment later)
+        after.request_seconds / (after.uptime_seconds * MAX_NUM_SEQS), rel=1e-3)  # fmt: skip
 
 
 def test_max_running_is_refused_under_in_flight_swaps(in_flight):
@@ -255,6 +310,8 @@ def test_a_swap_failing_half_way_aborts_running_requests(in_flight, reference):
     """The engine loaded part of an update, then failed: what it serves is unknown, so running
     requests end (UNAVAILABLE) instead of going on, and new calls are refused until a complete
     update succeeds."""
+    in_flight.push(perturbed(in_flight.tensors, seed=22), update_id="before the failure")
+    assert in_flight.client.status().update_id == "before the failure"
     version = in_flight.version
     _hold_the_next_swap(in_flight)
     with open(in_flight.failpoints, "a") as armed:
@@ -268,10 +325,12 @@ def test_a_swap_failing_half_way_aborts_running_requests(in_flight, reference):
     ended, error, _ = _during_long_generation(in_flight, failing_push)
     _assert_fired(in_flight)
     assert error.code() == grpc.StatusCode.INTERNAL and "unknown state" in error.details()
+    assert "failpoint" not in error.details() and "Error" not in error.details(), error.details()
     assert isinstance(ended, grpc.RpcError), "a running request went on after a failed swap"
     assert ended.code() == grpc.StatusCode.UNAVAILABLE
     status = in_flight.client.status()
     assert (status.serving, status.policy_version) == (False, version)
+    assert status.update_id == ""  # the weights are unknown: no update put them in place
     with pytest.raises(grpc.RpcError) as refused:
         _greedy(in_flight.client, [LONG_PROMPT], max_tokens=4)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -292,8 +351,9 @@ def test_an_update_cancelled_mid_swap_completes(in_flight, reference):
     new = perturbed(in_flight.tensors, seed=15)
     with open(in_flight.failpoints, "a") as armed:
         armed.write("reload_weights 1 sleep=6\n")
+    chunks = encode_weight_chunks(new, old_version + 1, 1 << 16, update_id="cancelled")
     with pytest.raises(grpc.RpcError) as error:
-        in_flight.client.update_weights(new, old_version + 1, chunk_bytes=1 << 16, timeout=2.5)
+        in_flight.client.update_weights_encoded(chunks, timeout=2.5)
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert not in_flight.failpoints.exists(), "the deadline expired before the swap began"
     deadline = time.monotonic() + 30
@@ -304,6 +364,8 @@ def test_an_update_cancelled_mid_swap_completes(in_flight, reference):
         time.sleep(0.05)
     in_flight.version, in_flight.tensors = status.policy_version, new
     assert (status.serving, status.policy_version) == (True, old_version + 1)
+    # Its call is gone, but the update is what serves: a retry refused as not newer can tell.
+    assert status.update_id == "cancelled"
     (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
     assert list(completion.token_policy_versions) == [old_version + 1] * 12
     assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
@@ -322,7 +384,8 @@ def test_a_two_sender_update_cancelled_mid_swap_is_answered_live_to_both(in_flig
 
     def stream(sender):
         yield from iter_weight_chunks(parts[sender], old_version + 1, 1 << 16, len(new),
-                                      num_senders=2, sender=sender)  # fmt: skip
+                                      num_senders=2, sender=sender,
+                                      update_id="two senders")  # fmt: skip
         if sender == 1:
             time.sleep(0.5)  # ends last: its call swaps
 
@@ -343,6 +406,37 @@ def test_a_two_sender_update_cancelled_mid_swap_is_answered_live_to_both(in_flig
     status = in_flight.client.status()
     in_flight.version, in_flight.tensors = status.policy_version, new
     assert (status.serving, status.policy_version) == (True, old_version + 1)
+    assert status.update_id == "two senders"
+    (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
+    assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
+
+
+def test_a_shared_update_cancelled_mid_swap_completes_under_its_id(in_flight, reference):
+    """As above, through a shared file: the learner's deadline passes while the engine is
+    paused with the new weights loaded; the swap completes, and the status names the update."""
+    from jaxrlhf.rpc.shared import SharedWeightsFile
+
+    old_version = in_flight.version
+    new = perturbed(in_flight.tensors, seed=23)
+    specs = [(name, value.shape, value.dtype) for name, value in new.items()]
+    folder = in_flight.client.status().shared_weights_dir
+    with open(in_flight.failpoints, "a") as armed:
+        armed.write("reload_weights 1 sleep=6\n")
+    with SharedWeightsFile(folder, specs) as shared:
+        shared.write(new.items())
+        request = shared.request(old_version + 1)
+        request.update_id = "shared, cancelled"
+        with pytest.raises(grpc.RpcError) as error:
+            in_flight.client.update_weights_shared(request, timeout=2.5)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert not in_flight.failpoints.exists(), "the deadline expired before the swap began"
+        deadline = time.monotonic() + 30
+        while (status := in_flight.client.status()).policy_version == old_version:
+            assert time.monotonic() < deadline, "the swap never completed"
+            time.sleep(0.05)
+    in_flight.version, in_flight.tensors = status.policy_version, new
+    assert (status.serving, status.policy_version) == (True, old_version + 1)
+    assert status.update_id == "shared, cancelled"
     (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)
     assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
 
@@ -382,6 +476,7 @@ def test_a_stage_that_fails_leaves_the_old_weights_serving(in_flight, reference)
     update is refused, running requests go on untouched on the old weights, and the service
     stays SERVING; the next update works."""
     _staged_only(in_flight)
+    in_flight.push(perturbed(in_flight.tensors, seed=24), update_id="serving")
     old, version = in_flight.tensors, in_flight.version
     with open(in_flight.failpoints, "a") as armed:
         armed.write("stage_weights 1 fail\n")
@@ -394,11 +489,15 @@ def test_a_stage_that_fails_leaves_the_old_weights_serving(in_flight, reference)
     completions, error, _ = _during_long_generation(in_flight, refused)
     assert error.code() == grpc.StatusCode.INTERNAL, error
     assert "staging" in error.details() and "unchanged" in error.details()
+    # The worker's error (here the failpoint's FailpointError) is the server's log's, not the
+    # client's.
+    assert "failpoint" not in error.details() and "Error" not in error.details(), error.details()
     for completion, prompt in zip(completions, [LONG_PROMPT, *FILLERS], strict=True):
         assert list(completion.token_policy_versions) == [version] * MAX_TOKENS
         assert list(completion.token_ids) == reference.greedy(old, prompt, MAX_TOKENS)
     status = in_flight.client.status()
     assert (status.serving, status.policy_version) == (True, version)
+    assert status.update_id == "serving"  # refused: the served weights' update is unchanged
     new = perturbed(old, seed=19)
     assert in_flight.push(new).policy_version == version + 1
     (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)

@@ -50,13 +50,17 @@ def split(tensors: dict[str, np.ndarray], senders: int) -> list[list[tuple[str, 
     return parts
 
 
-def send(client, parts, versions, num_tensors, chunk_bytes=1 << 14, num_senders=None):
-    """Every sender's stream at once (one thread each); each one's response or RpcError."""
+def send(client, parts, versions, num_tensors, chunk_bytes=1 << 14, num_senders=None,
+         update_ids=None):  # fmt: skip
+    """Every sender's stream at once (one thread each); each one's response or RpcError.
+    `update_ids`: each sender's WeightChunk.update_id (none: empty)."""
     num_senders = len(parts) if num_senders is None else num_senders
+    update_ids = update_ids or [""] * len(parts)
 
     def stream(sender: int):
         chunks = iter_weight_chunks(parts[sender], versions[sender], chunk_bytes, num_tensors,
-                                    num_senders=num_senders, sender=sender)  # fmt: skip
+                                    num_senders=num_senders, sender=sender,
+                                    update_id=update_ids[sender])  # fmt: skip
         try:
             return client.stub.UpdateWeights(chunks, timeout=120)
         except grpc.RpcError as error:
@@ -72,10 +76,13 @@ def test_senders_assemble_one_version(client, served, reference, senders):
     version = client.status().policy_version + 1
     parts = split(new, senders)
     assert all(parts), "every sender sends something"
-    outcomes = send(client, parts, [version] * senders, len(new))
+    update_id = f"senders-{senders}"
+    outcomes = send(client, parts, [version] * senders, len(new),
+                    update_ids=[update_id] * senders)  # fmt: skip
     for outcome in outcomes:
         assert not isinstance(outcome, grpc.RpcError), outcome.details()
     served.record(version, new)
+    assert client.status().update_id == update_id
     assert {o.policy_version for o in outcomes} == {version}
     # The same answer to every sender: all the bytes, of every sender.
     assert {o.num_bytes for o in outcomes} == {sum(v.nbytes for v in new.values())}
@@ -91,34 +98,39 @@ def _overlap(parts, version):
     index = tuple(slice(s, s + 1) for s in start)
     whole = np.zeros(piece.shape, piece.data.dtype)
     parts[1].append((name, TensorSlice(piece.shape, start, whole[index])))
-    return parts, [version, version], None
+    return parts, [version, version], None, None
 
 
 def _gap(parts, version):
     parts[1].pop()  # sender 1's last box never comes: part of a tensor stays unsent
-    return parts, [version, version], None
+    return parts, [version, version], None, None
 
 
 def _duplicate(parts, version):
     parts[1].append(parts[0][-1])  # sender 1 sends one of sender 0's boxes again
-    return parts, [version, version], None
+    return parts, [version, version], None, None
 
 
 def _missing_sender(parts, version):
-    return parts[:1], [version], 2  # announced as 2 senders; only sender 0 ever comes
+    return parts[:1], [version], 2, None  # announced as 2 senders; only sender 0 ever comes
 
 
 def _version_mismatch(parts, version):
-    return parts, [version, version + 1], None
+    return parts, [version, version + 1], None, None
+
+
+def _update_id_mismatch(parts, version):
+    return parts, [version, version], None, ["one update", "another update"]
 
 
 REFUSED = {
     "overlap": (_overlap, grpc.StatusCode.INVALID_ARGUMENT, "overlaps the slice"),
     "gap": (_gap, grpc.StatusCode.DATA_LOSS, "incomplete"),
     "duplicate": (_duplicate, grpc.StatusCode.INVALID_ARGUMENT, "duplicated data"),
-    "missing sender": (_missing_sender, grpc.StatusCode.FAILED_PRECONDITION,
-                       "sender(s) [1] of 2"),
+    # Transient: the learner's pool fails the replica and brings it back.
+    "missing sender": (_missing_sender, grpc.StatusCode.ABORTED, "sender(s) [1] of 2"),
     "version mismatch": (_version_mismatch, grpc.StatusCode.INVALID_ARGUMENT, "disagree"),
+    "update_id mismatch": (_update_id_mismatch, grpc.StatusCode.INVALID_ARGUMENT, "disagree"),
 }  # fmt: skip
 
 
@@ -127,10 +139,12 @@ def test_a_bad_multi_sender_update_is_refused_for_all_and_changes_nothing(client
     build, code, message = REFUSED[case]
     before = greedy(client)
     version = client.status().policy_version
-    parts, versions, num_senders = build(split(perturbed(served.tensors, seed=210), 2),
-                                         version + 1)  # fmt: skip
+    parts, versions, num_senders, update_ids = build(
+        split(perturbed(served.tensors, seed=210), 2), version + 1
+    )
     started = time.monotonic()
-    outcomes = send(client, parts, versions, len(served.tensors), num_senders=num_senders)
+    outcomes = send(client, parts, versions, len(served.tensors), num_senders=num_senders,
+                    update_ids=update_ids)  # fmt: skip
     for outcome in outcomes:
         assert isinstance(outcome, grpc.RpcError), f"{case}: a sender's update was taken"
         assert outcome.code() == code, outcome.details()

@@ -183,7 +183,9 @@ def test_shared_update_swaps_weights_and_version(client, served, reference):
     new = perturbed(served.tensors, seed=11)
     version = served.policy_version + 1
     with _shared_file(client, new) as shared:
-        response = client.update_weights_shared(shared.request(version))
+        request = shared.request(version)
+        request.update_id = "shared-update"
+        response = client.update_weights_shared(request)
         served.record(version, new)
     assert response.policy_version == version and response.num_tensors == len(new)
     assert response.num_bytes == sum(value.nbytes for value in new.values())
@@ -192,6 +194,7 @@ def test_shared_update_swaps_weights_and_version(client, served, reference):
     status = client.status()
     assert (status.stage_seconds, status.pause_seconds) == (
         response.stage_seconds, response.pause_seconds)  # fmt: skip
+    assert status.update_id == "shared-update"
     tokens, versions = greedy(client)
     assert versions == {version}
     assert tokens == [reference.greedy(new, prompt, 12) for prompt in served.initial_prompts]
@@ -368,11 +371,73 @@ def test_a_progressive_write_that_fails_or_stalls_changes_nothing(client, served
     assert failed.code() == grpc.StatusCode.ABORTED and "gave up" in failed.details()
     started = time.monotonic()
     stalled, _ = _progressive(client, new, version + 1, lambda f: f._count(3))  # then nothing
-    assert stalled.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert stalled.code() == grpc.StatusCode.ABORTED  # transient: the learner may send it again
     assert "gained no tensor for 5 s (3 of" in stalled.details()
+    assert "the served weights are unchanged" in stalled.details()
     assert time.monotonic() - started >= SENDERS_TIMEOUT_S
     wrong, _ = _progressive(client, new, version + 1, lambda f: f._count(len(new) + 1))
     assert wrong.code() == grpc.StatusCode.INVALID_ARGUMENT and "only grows" in wrong.details()
     status = client.status()
     assert status.policy_version == version and status.serving
     assert greedy(client) == before
+
+
+# 300 tensors: the count crosses 255 -> 256, where a torn read says 0 or 511.
+MANY = {f"model.layers.{i}.weight": np.full((2,), i, np.float32) for i in range(300)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("first_byte", [0, 1], ids=["low-byte-first", "high-byte-first"])
+def test_a_count_caught_half_stored_is_waited_for_not_taken(first_byte):
+    """The learner is caught half-way through storing 256 over 255, holding the file's lock
+    (`jaxrlhf_wire.files`) for 0.5 s with one byte stored: the file says 0 (a decrease) or 511
+    (tensors not written yet). The server (the service's handler, on a real gRPC server) waits
+    for the store instead of taking the torn count, and swaps the update once it is written."""
+    import concurrent.futures
+    import fcntl
+
+    from generator_service.weights import TensorSpec
+    from jaxrlhf.rpc import GeneratorClient
+    from jaxrlhf.rpc.shared import SharedWeightsFile
+    from jaxrlhf_wire.files import PROGRESS_BYTES
+    from tests.generator_service.replicas import RecordingReplica
+
+    replica = RecordingReplica({n: TensorSpec(n, v.shape, "F32") for n, v in MANY.items()})
+    client = GeneratorClient(replica.address)
+    specs = [(n, v.shape, v.dtype) for n, v in MANY.items()]
+    try:
+        with SharedWeightsFile(replica.engine.staging_dir, specs) as shared, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:  # fmt: skip
+            shared.begin_progress()
+            call = pool.submit(client.update_weights_shared,
+                               shared.request(1, progressive=True), 60)  # fmt: skip
+            shared.write_slices(
+                (name, _whole(value)) for name, value in MANY.items()
+            )  # every byte in place; the count alone says what the server may take
+            shared._count(255)
+            time.sleep(0.5)  # the server reads 255
+            fd = os.open(shared.path, os.O_WRONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                stored = (256).to_bytes(PROGRESS_BYTES, "little")
+                os.pwrite(fd, stored[first_byte : first_byte + 1], first_byte)
+                time.sleep(0.5)  # caught half-way
+                os.pwrite(fd, stored, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+            shared._count(len(MANY))
+            response = call.result(timeout=60)
+        assert response.policy_version == 1 and response.num_tensors == len(MANY)
+        received = replica.received(1)
+        for name, value in MANY.items():
+            assert received[name] == ("float32", value.tobytes()), name
+    finally:
+        client.close()
+        replica.stop()
+
+
+def _whole(value: np.ndarray):
+    from jaxrlhf_wire.chunks import TensorSlice
+
+    return TensorSlice(value.shape, (0,) * value.ndim, value)

@@ -38,7 +38,7 @@ def greedy(client, prompts=PROMPTS, max_tokens: int = 12) -> tuple[list[list[int
 def test_update_swaps_weights_and_version(client, served, reference):
     new = perturbed(served.tensors, seed=1)
     before = client.status()
-    response = served.push(client, new)
+    response = served.push(client, new, update_id="update-1")
     assert response.policy_version == before.policy_version + 1
     assert response.num_tensors == len(new) == before.num_weight_tensors
     assert response.num_bytes == sum(value.nbytes for value in new.values())
@@ -49,6 +49,7 @@ def test_update_swaps_weights_and_version(client, served, reference):
     assert (status.stage_seconds, status.pause_seconds) == (
         response.stage_seconds, response.pause_seconds)  # fmt: skip
     assert status.policy_version == response.policy_version
+    assert status.update_id == "update-1"  # the update that put the served weights in place
     assert status.num_updates == before.num_updates + 1
     assert status.last_update_unix_time > time.time() - 60
     tokens, versions = greedy(client)
@@ -63,6 +64,7 @@ def test_bfloat16_update_is_cast_to_the_served_dtype(client, served, reference):
         for name, value in perturbed(served.tensors, seed=2).items()
     }
     served.push(client, new)
+    assert client.status().update_id == ""  # sent without one
     tokens, versions = greedy(client)
     assert versions == {served.policy_version}
     assert tokens == [reference.greedy(new, prompt, 12) for prompt in PROMPTS]

@@ -14,16 +14,20 @@ from generator_service.updates import UpdateJoiner
 from generator_service.weights import WeightUpdateError
 
 
-def header(version=1, sender=0, num_senders=2, num_tensors=3, allow_rollback=False):
+def header(version=1, sender=0, num_senders=2, num_tensors=3, allow_rollback=False,
+           update_id="u"):  # fmt: skip
     return SimpleNamespace(policy_version=version, sender=sender, num_senders=num_senders,
-                           num_tensors=num_tensors, allow_rollback=allow_rollback)  # fmt: skip
+                           num_tensors=num_tensors, allow_rollback=allow_rollback,
+                           update_id=update_id)  # fmt: skip
 
 
-def joiner(timeout=5.0, events=None):
+def joiner(timeout=5.0, events=None, prepare_fails=None):
     events = [] if events is None else events
 
     async def prepare(update):
         events.append(("prepare", update.key.policy_version))
+        if prepare_fails is not None:
+            raise prepare_fails
 
     async def release(update):
         await asyncio.sleep(0.01)  # the writes settling
@@ -59,9 +63,10 @@ def test_senders_of_one_version_join_one_update_and_the_lock_waits_for_its_answe
         (header(version=2, sender=1), "its senders disagree"),
         (header(sender=1, num_senders=3), "its senders disagree"),
         (header(sender=1, num_tensors=4), "its senders disagree"),
+        (header(sender=1, update_id="v"), "its senders disagree"),
         (header(sender=0), "sender 0 of policy_version 1 came twice"),
     ],
-    ids=["version", "count", "tensors", "twice"],
+    ids=["version", "count", "tensors", "update_id", "twice"],
 )
 def test_a_sender_that_disagrees_refuses_the_whole_update(second, message):
     async def run():
@@ -97,7 +102,7 @@ def test_a_sender_that_never_comes_times_the_update_out():
         updates.join(header(sender=0, num_senders=3))
         with pytest.raises(WeightUpdateError) as caught:
             await asyncio.wait_for(asyncio.shield(update.result), 5)
-        assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert caught.value.code == grpc.StatusCode.ABORTED  # transient: it may come again
         assert "sender(s) [2] of 3 of policy_version 1 never came within 0.2 s" in (
             caught.value.message)  # fmt: skip
         await asyncio.sleep(0.05)
@@ -121,5 +126,24 @@ def test_a_stream_alone_is_its_own_update_beside_an_open_one():
         open_one.succeed("done")
         await alone.wait_ready()
         alone.succeed("done")
+
+    asyncio.run(run())
+
+
+def test_a_failure_to_prepare_is_answered_without_the_servers_internals():
+    """The staging folder gone (say): every sender is told the update was refused on an
+    internal error, not the exception's class nor its message (a path of the server's)."""
+
+    async def run():
+        missing = FileNotFoundError(2, "No such file or directory", "/dev/shm/jaxrlhf-weights-1")
+        updates, _ = joiner(prepare_fails=missing)
+        update, _ = updates.join(header(num_senders=1))
+        with pytest.raises(WeightUpdateError) as caught:
+            await update.wait_ready()
+        assert caught.value.code == grpc.StatusCode.INTERNAL
+        message = caught.value.message
+        assert "preparing policy_version 1 failed on an internal error" in message
+        assert "FileNotFoundError" not in message and "/dev/shm" not in message, message
+        assert "the served weights are unchanged" in message
 
     asyncio.run(run())

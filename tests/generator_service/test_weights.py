@@ -159,6 +159,7 @@ def test_staging_refuses_a_full_disk_up_front_and_on_write(tmp_path, monkeypatch
         stage(chunks, staging)
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "No space left on device" in caught.value.message
+    assert staging.path not in caught.value.message  # the server's file, not the client's
     staging.close()
 
 
