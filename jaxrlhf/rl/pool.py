@@ -183,11 +183,11 @@ class GeneratorPool:
         return {"generators_live": live, **{k: counts.get(k, 0) for k in
                 ("failures", "failovers", "restarts", "rejoins", "publish_retries")}}  # fmt: skip
 
-    def occupancy(self) -> dict[str, tuple[float, float, int]]:
-        """(idle seconds, request-seconds, capacity) since start of each live replica
-        (GetStatus; see GeneratorStatus.idle_seconds, max_num_seqs), by target; asked in
-        parallel, and a replica that does not answer within a second is left out (it is not
-        failed for that: its calls decide)."""
+    def occupancy(self) -> dict[str, tuple[float, float, int, float]]:
+        """(idle seconds, request-seconds, capacity, uptime seconds) of each live replica since
+        it started, on its own clock (GetStatus: idle_seconds, request_seconds, max_num_seqs,
+        uptime_seconds), by target; asked in parallel, and a replica that does not answer
+        within a second is left out (it is not failed for that: its calls decide)."""
         replicas = self._in(LIVE)
         futures = [self._calls.submit(r.client.status, timeout=min(self.timeouts.status, 1.0))
                    for r in replicas]  # fmt: skip
@@ -198,7 +198,7 @@ class GeneratorPool:
             except grpc.RpcError:
                 continue
             out[replica.target] = (status.idle_seconds, status.request_seconds,
-                                   status.max_num_seqs)  # fmt: skip
+                                   status.max_num_seqs, status.uptime_seconds)  # fmt: skip
         return out
 
     def needs_weights(self) -> bool:
@@ -490,8 +490,8 @@ class GeneratorPool:
 
         - a replica that answers is live at the update's version;
         - UNAVAILABLE may be a blip: the replica is sent the update once more (at most
-          `retries` times, with back-off), unless its status shows it took the attempt whose
-          answer was lost (its GeneratorStatus.update_id is this update's);
+          `retries` times, with back-off), unless its status then shows it took the attempt
+          whose answer was lost (its GeneratorStatus.update_id is this update's);
         - a retry refused by a replica that turns out to serve this very update (that status
           again) counts as delivered: its first attempt was applied;
         - any other refusal is a defect and raised (GeneratorError); any other failure
@@ -499,6 +499,10 @@ class GeneratorPool:
           lifecycle brings it back."""
         delay = self.backoff_seconds
         for attempt in range(1, self.retries + 2):
+            if attempt > 1:  # an attempt whose answer was lost may have been applied
+                pending = [r for r in pending if not self._took(r, update, delivery)]
+                if not pending:
+                    break
             delivery.attempts = attempt
             by_client = {r.client: r for r in pending}
             outcomes = transport.send(list(by_client), tensor_stream, update,
@@ -509,9 +513,9 @@ class GeneratorPool:
                 if not isinstance(outcome, grpc.RpcError):
                     delivery.took(replica.target, outcome)
                     self._join(replica, update.policy_version)
-                elif (applied := self._applied(replica, update, attempt, outcome)) is not None:
-                    delivery.took(replica.target, applied)
-                    self._join(replica, update.policy_version)
+                elif (attempt > 1 and outcome.code() not in REPLICA_DOWN
+                      and self._took(replica, update, delivery)):  # fmt: skip
+                    pass  # a retry refused (not newer): the lost attempt was applied
                 elif outcome.code() not in REPLICA_DOWN:
                     raise GeneratorError(f"weight update {update.policy_version} refused: "
                                          + describe(replica.target, outcome))  # fmt: skip
@@ -531,28 +535,28 @@ class GeneratorPool:
             time.sleep(delay)
             delay = min(delay * 2, 30.0)
         for replica in pending:
-            self._fail(replica, delivery.failures[replica.target])
+            if not self._took(replica, update, delivery):
+                self._fail(replica, delivery.failures[replica.target])
 
-    def _applied(self, replica: Replica, update: WeightUpdate, attempt: int,
-                 outcome: grpc.RpcError):  # fmt: skip
-        """For an attempt that ended UNAVAILABLE, or a retry refused: the replica's answer
-        (built from its status) if it serves this very update after all, else None."""
-        lost = outcome.code() == grpc.StatusCode.UNAVAILABLE
-        if not lost and (attempt == 1 or outcome.code() in REPLICA_DOWN):
-            return None
+    def _took(self, replica: Replica, update: WeightUpdate, delivery: _Delivery) -> bool:
+        """Whether `replica` serves this very update (GeneratorStatus.update_id): an attempt
+        whose answer was lost was applied. If so it is live at the update's version, and its
+        answer (built from its status) is recorded in `delivery`."""
         try:
             status = replica.client.status(timeout=self.timeouts.status)
         except grpc.RpcError:
-            return None
+            return False
         if not (status.serving and status.policy_version == update.policy_version
                 and status.update_id == update.update_id):  # fmt: skip
-            return None
+            return False
         self.log(f"generator {replica.target} already serves weight update "
                  f"{update.policy_version} (an attempt whose answer was lost)")  # fmt: skip
-        return generator_pb2.UpdateWeightsResponse(
+        delivery.took(replica.target, generator_pb2.UpdateWeightsResponse(
             policy_version=update.policy_version, num_tensors=update.num_tensors,
             pause_seconds=status.pause_seconds, stage_seconds=status.stage_seconds,
-        )  # fmt: skip
+        ))  # fmt: skip
+        self._join(replica, update.policy_version)
+        return True
 
     def _none_took(self, policy_version: int, count: int, failures: dict[str, str]) -> None:
         """A publish reached no replica: an error, unless one can come back (then it gets the

@@ -424,17 +424,26 @@ class FleetWatch:
 
 
 def occupancy_metrics(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """Over `seconds`, averaged over the replicas that answered both times (`before`, `after`:
-    `GeneratorPool.occupancy`): generator_idle_s, the seconds a replica generated nothing (no
-    request, or paused for a swap); generator_requests_mean, how many requests it was
-    generating on average; generator_occupancy, that mean ÷ its capacity (max_num_seqs), in
-    [0, 1] (a replica reporting no capacity, older than the field, is left out of it)."""
+    """Between two `GeneratorPool.occupancy` readings, averaged over the replicas that answered
+    both times: generator_window_s, the seconds between the readings on each replica's own
+    clock (its uptime_seconds; the learner's `seconds` for a replica that does not report
+    it); generator_idle_s, the seconds of that window a replica generated nothing (no request,
+    or paused for a swap); generator_requests_mean, how many requests it was generating on
+    average; generator_occupancy, that mean ÷ its capacity (max_num_seqs), in [0, 1] (a
+    replica reporting no capacity, older than the field, is left out of it). Each replica's
+    figures are over its own clock's window, which its totals cover exactly: the learner's
+    interval between two answers differs from it by the answers' latencies."""
     both = [target for target in after if target in before]
     if not both or seconds <= 0:
         return {}
+    windows = {t: (after[t][3] - before[t][3]) if after[t][3] > 0 else seconds for t in both}
+    both = [t for t in both if windows[t] > 0]
+    if not both:
+        return {}
     idle = [after[t][0] - before[t][0] for t in both]
-    requests = {t: (after[t][1] - before[t][1]) / seconds for t in both}
+    requests = {t: (after[t][1] - before[t][1]) / windows[t] for t in both}
     out = {
+        "generator_window_s": float(np.mean([windows[t] for t in both])),
         "generator_idle_s": float(np.mean(idle)),
         "generator_requests_mean": float(np.mean(list(requests.values()))),
     }

@@ -37,7 +37,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class RecordingEngine:
     """What `GeneratorServicer.UpdateWeights` and `GetStatus` need of an engine; swaps record
     the staged bytes. `fail_swaps` > 0: that many next swaps fail half-way as the engine's do
-    (INTERNAL, and NOT_SERVING until a complete update succeeds)."""
+    (INTERNAL, and NOT_SERVING until a complete update succeeds). A swap passes the engine's
+    `reload_weights` failpoint (`generator_service.failpoints`) as the real one does, after it
+    loaded the weights and before it labels them: a `sleep=S` hold there holds the swap
+    (`swapping` is set meanwhile)."""
 
     def __init__(self, specs) -> None:
         self.weight_specs = specs
@@ -59,9 +62,26 @@ class RecordingEngine:
         self.last_update_unix_time = 0.0
         self.max_num_seqs = 1
         self.occupancy = Occupancy(self.max_num_seqs)
+        self.swapping = threading.Event()
 
     async def swap_weights(self, staging_path, tensors, policy_version, allow_rollback=False,
                            stage_id=0):  # fmt: skip
+        from generator_service import failpoints
+        from generator_service.engine import finish_despite_cancellation
+
+        hold = failpoints.hit("reload_weights")
+        if hold is None or not hold.startswith("sleep="):
+            return self._swap(staging_path, tensors, policy_version)
+
+        async def held():
+            self.swapping.set()
+            await asyncio.sleep(float(hold.removeprefix("sleep=")))
+            return self._swap(staging_path, tensors, policy_version)
+
+        # As the engine's: in its pause a swap runs to its end, its caller gone or not.
+        return await finish_despite_cancellation(asyncio.ensure_future(held()))
+
+    def _swap(self, staging_path, tensors, policy_version):
         if self.fail_swaps > 0:
             self.fail_swaps -= 1
             self.serving = False

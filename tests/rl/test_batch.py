@@ -100,12 +100,17 @@ def test_staleness_is_measured_per_sample_and_per_token():
 def test_generator_occupancy_is_request_seconds_over_capacity_by_hand():
     from jaxrlhf.rl.trainer import occupancy_metrics
 
-    # Over 10 s: replica A (capacity 8) idle 2 s, 40 request-seconds (4 at a time: half full);
-    # B (capacity 4) idle 0 s, 40 request-seconds (full); C answered only once (left out); D
-    # reports no capacity (a server older than the field): in the means, not in occupancy.
-    before = {"A": (1.0, 10.0, 8), "B": (0.0, 0.0, 4), "D": (0.0, 0.0, 0)}
-    after = {"A": (3.0, 50.0, 8), "B": (0.0, 40.0, 4), "C": (0.0, 9.0, 4), "D": (4.0, 10.0, 0)}
-    assert occupancy_metrics(before, after, 10.0) == {
+    # The learner saw 10.2 s between the readings (its answers' latencies differ); each
+    # replica's own clock: A (capacity 8) 10 s, idle 2 s, 40 request-seconds (4 at a time:
+    # half full); B (capacity 4) 10 s, idle 0 s, 40 request-seconds (full: by the learner's
+    # 10.2 s it would read 0.98, and above 1 for a window the learner saw shorter); C answered
+    # only once (left out); D reports no capacity and no uptime (a server older than both
+    # fields): the learner's window, in the means, not in occupancy.
+    before = {"A": (1.0, 10.0, 8, 100.0), "B": (0.0, 0.0, 4, 50.0), "D": (0.0, 0.0, 0, 0.0)}
+    after = {"A": (3.0, 50.0, 8, 110.0), "B": (0.0, 40.0, 4, 60.0), "C": (0.0, 9.0, 4, 9.0),
+             "D": (4.0, 10.2, 0, 0.0)}  # fmt: skip
+    assert occupancy_metrics(before, after, 10.2) == {
+        "generator_window_s": pytest.approx((10.0 + 10.0 + 10.2) / 3),
         "generator_idle_s": pytest.approx((2.0 + 0.0 + 4.0) / 3),
         "generator_requests_mean": pytest.approx((4.0 + 4.0 + 1.0) / 3),
         "generator_occupancy": pytest.approx((4 / 8 + 4 / 4) / 2),
