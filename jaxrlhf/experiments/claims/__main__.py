@@ -1,0 +1,110 @@
+"""`python -m jaxrlhf.experiments.claims`: runs, resumes or reports a claim (package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from jaxrlhf.experiments import CONFIGS
+from jaxrlhf.experiments.claims import PAPER, PLANS, TITLES
+from jaxrlhf.experiments.claims.analysis import by_arm
+from jaxrlhf.experiments.claims.figures import claims_table, markdown, plot_claim
+from jaxrlhf.experiments.claims.plans import Settings
+from jaxrlhf.experiments.claims.verdicts import analyse
+from jaxrlhf.experiments.runner import Runner, parse_passthrough
+
+ORDER = ("pilot", "a", "b", "c", "d", "e", "f")
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """ "0-9" or "0,1,5" or a mix ("0-4,9")."""
+    seeds: set[int] = set()
+    for part in text.split(","):
+        if "-" in part.strip():
+            low, high = (int(x) for x in part.split("-"))
+            seeds.update(range(low, high + 1))
+        elif part.strip():
+            seeds.add(int(part))
+    return tuple(sorted(seeds))
+
+
+def parse_args(argv: Sequence[str] | None):
+    parser = argparse.ArgumentParser(prog="python -m jaxrlhf.experiments.claims",
+                                     description=__doc__)  # fmt: skip
+    parser.add_argument("--claim", choices=ORDER, help="the claim to run or report")
+    parser.add_argument("--seeds", default=None,
+                        help='e.g. "0-19" or "0,1,2" (default 0-9; with --report-only, the '
+                             "seeds the claim last recorded)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=64, help="updates per run")
+    parser.add_argument("--eval-every", type=int, default=16, help="updates between evaluations")
+    parser.add_argument("--out", default="results/claims")
+    parser.add_argument("--report-only", action="store_true", help="read the records only")
+    parser.add_argument("--generator-addresses", default="",
+                        help="running services (as the other experiments' flag)")  # fmt: skip
+    parser.add_argument("--rerun", action="store_true", help="rerun runs already finished")
+    args, extra = parser.parse_known_args(argv)
+    args.passthrough = parse_passthrough(parser, extra)
+    if args.claim is None and not args.report_only:
+        parser.error("--claim is needed to run (without it, --report-only prints every claim)")
+    return args
+
+
+def settings_of(args, claim: str) -> Settings:
+    """The command line's settings; with --report-only and no --seeds, those the claim's last
+    report recorded (its seeds, steps and pass-throughs)."""
+    recorded = Path(args.out) / claim / "claim.json"
+    if args.seeds is None and args.report_only and recorded.exists():
+        saved = json.loads(recorded.read_text())["settings"]
+        return Settings(seeds=tuple(saved["seeds"]), steps=saved["steps"],
+                        eval_every=saved["eval_every"],
+                        passthrough=tuple(saved["passthrough"].items()))  # fmt: skip
+    return Settings(seeds=parse_seeds(args.seeds or "0-9"), steps=args.steps,
+                    eval_every=args.eval_every,
+                    passthrough=tuple(args.passthrough.items()))  # fmt: skip
+
+
+def run_claim(claim: str, args) -> dict:
+    """Runs the claim's missing runs (unless `--report-only`), then analyses its records."""
+    settings = settings_of(args, claim)
+    out = Path(args.out).resolve()
+    runs = PLANS[claim](settings, out)
+    if not args.report_only:
+        runner = Runner(CONFIGS / "bed.py", out / claim, f"claim {claim}",
+                        args.generator_addresses, rerun=args.rerun)  # fmt: skip
+        runner.run_all(runs, last=5)
+    record = analyse(claim, runs, settings)
+    record |= {"title": TITLES[claim], "paper": PAPER.get(claim, "-"),
+               "settings": {"seeds": list(settings.seeds), "steps": settings.steps,
+                            "eval_every": settings.eval_every,
+                            "passthrough": dict(settings.passthrough)}}  # fmt: skip
+    folder = out / claim
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "claim.json").write_text(json.dumps(record, indent=2))
+    curves = {arm: [f["curve"] for f in seeds.values()] for arm, seeds in by_arm(runs).items()}
+    plot_claim(record, curves, folder / "claim.png", TITLES[claim])
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.claim is not None:
+        record = run_claim(args.claim, args)
+        print(f"## {TITLES[args.claim]}\n")
+        print(markdown(record))
+        print(f"\nrecords: {Path(args.out) / args.claim}; figure: claim.png there")
+        return
+    out = Path(args.out)
+    records = {c: json.loads((out / c / "claim.json").read_text())
+               for c in ORDER if (out / c / "claim.json").exists()}  # fmt: skip
+    if not records:
+        sys.exit(f"no claim recorded in {out}: run one with --claim")
+    table = claims_table(records, TITLES, PAPER)
+    (out / "claims.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Each claim's figures, paired comparisons and verdict, from its runs' records alone.
+
+Accuracies are greedy accuracies on the whole test split after training (`summary.json`), in
+points (percent). A comparison is paired by seed (`stats.compare_paired`): its mean ± s.e., its
+95% t interval and the p of no difference. A claim's comparisons form one family: "beyond
+noise" means that Holm's procedure over the family rejects no difference at level 0.05
+(`stats.holm`); each verdict says how many comparisons its family made.
+
+Verdicts (`Verdict`): `supported` or `contradicted` when the rule of the claim (in its
+function's docstring) holds at that level, else `unresolved at this power`, with the interval
+that would have had to be narrower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jaxrlhf.experiments import read_run
+from jaxrlhf.experiments.compute import run_curve
+from jaxrlhf.experiments.runner import PlannedRun
+from jaxrlhf.experiments.stats import Comparison, compare, holm, mean_stderr
+
+POINTS = 100.0
+# "As good": the 95% interval of async − sync lies above −MARGIN points (non-inferiority).
+MARGIN = 2.0
+
+
+def run_figures(run: PlannedRun, last: int = 5) -> dict[str, Any] | None:
+    """One finished run's figures (None when it has not finished): test and validation accuracy
+    before and after training (points), KL to the start model (mean `kl` of the last `last`
+    steps), its evaluation curve (`compute.run_curve`: step, learner seconds, KL, accuracies),
+    the learner's seconds, the share of samples that spanned a publish and the learner's idle
+    share (means over its steps after the first)."""
+    try:
+        records, summary = read_run(run.folder)
+    except FileNotFoundError:
+        return None
+    if summary.get("test_accuracy_end") is None:
+        return None
+    tail = records[-last:]
+    later = records[1:] or records
+
+    def mean_of(key: str, rows) -> float:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return float(statistics.fmean(values)) if values else math.nan
+
+    return {
+        "test": summary["test_accuracy_end"] * POINTS,
+        "validation": summary.get("eval_accuracy_end", math.nan) * POINTS,
+        "test_start": (summary.get("test_accuracy_start") or math.nan) * POINTS,
+        "kl": mean_of("kl", tail),
+        "curve": run_curve(records, summary),
+        "learner_seconds": sum(r["step_s"] for r in records),
+        "wall_seconds": summary.get("wall_seconds"),
+        "mixed_version_fraction": mean_of("mixed_version_fraction", later),
+        "learner_idle_fraction": mean_of("learner_idle_fraction", later),
+        "staleness_mean": mean_of("staleness_mean", records),
+    }
+
+
+def by_arm(runs: Sequence[PlannedRun]) -> dict[str, dict[int, dict[str, Any]]]:
+    """{arm: {seed: figures}} of the finished runs (`run_figures`)."""
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for run in runs:
+        figures = run_figures(run)
+        out.setdefault(run.labels["arm"], {})
+        if figures is not None:
+            out[run.labels["arm"]][run.labels["seed"]] = figures
+    return out
+
+
+def arm_rows(arms: dict[str, dict[int, dict[str, Any]]], planned: dict[str, int]) -> list[dict]:
+    """Per arm: mean ± s.e. over its finished seeds of each figure, and how many of its
+    planned runs finished."""
+    rows = []
+    for arm, seeds in arms.items():
+        row: dict[str, Any] = {"arm": arm, "seeds": len(seeds), "planned": planned.get(arm, 0)}
+        for key in (
+            "test",
+            "validation",
+            "test_start",
+            "kl",
+            "learner_seconds",
+            "mixed_version_fraction",
+            "learner_idle_fraction",
+            "staleness_mean",
+        ):
+            values = [f[key] for f in seeds.values()
+                      if f.get(key) is not None and math.isfinite(f[key])]  # fmt: skip
+            row[key], row[f"{key}_stderr"] = mean_stderr(values)
+        rows.append(row)
+    return rows
+
+
+@dataclasses.dataclass
+class Finding:
+    """One comparison of a claim's family, and whether Holm's procedure over the family
+    calls it beyond noise."""
+
+    name: str
+    comparison: Comparison
+    beyond_noise: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **dataclasses.asdict(self.comparison),
+                "beyond_noise": self.beyond_noise}  # fmt: skip
+
+
+def family(findings: list[Finding]) -> list[Finding]:
+    """Marks the findings Holm's procedure rejects (the family is the list)."""
+    for finding, rejected in zip(findings, holm([f.comparison.p for f in findings]),
+                                 strict=True):  # fmt: skip
+        finding.beyond_noise = rejected
+    return findings
+
+
+def paired(arms, b: str, a: str, figure: Callable[[dict], float] = lambda f: f["test"]):
+    """b − a of `figure` over the seeds both arms finished."""
+    seeds = sorted(set(arms.get(a, {})) & set(arms.get(b, {})))
+    return compare([figure(arms[b][s]) - figure(arms[a][s]) for s in seeds])
+
+
+def fall_difference(arms, worse: tuple[str, str], better: tuple[str, str]) -> Comparison:
+    """Per seed, the fall of `worse` (its on-policy arm's test accuracy minus its off-policy
+    arm's) minus the fall of `better`: > 0 when `worse` falls more."""
+    keys = [*worse, *better]
+    seeds = sorted(set.intersection(*(set(arms.get(k, {})) for k in keys)))
+
+    def fall(pair, s):
+        return arms[pair[0]][s]["test"] - arms[pair[1]][s]["test"]
+
+    return compare([fall(worse, s) - fall(better, s) for s in seeds])
+
+
+@dataclasses.dataclass
+class Verdict:
+    word: str  # "supported", "contradicted" or "unresolved at this power"
+    detail: str
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+def interval(c: Comparison) -> str:
+    return f"{c.mean:+.1f} [{c.low:+.1f}, {c.high:+.1f}], {c.seeds} seeds"
+
+
+def power_of(arms, b: str, a: str) -> dict[str, Any]:
+    """The pilot's figures: the seed-to-seed s.d. of the paired difference b − a and the seeds
+    a 95% interval of half-width 2 points needs (`stats.seeds_for_half_width`)."""
+    from jaxrlhf.experiments.stats import seeds_for_half_width
+
+    c = paired(arms, b, a)
+    spread = c.stderr * math.sqrt(c.seeds) if c.seeds >= 2 else math.nan
+    needed = seeds_for_half_width(spread, MARGIN) if math.isfinite(spread) and spread > 0 else None
+    return {"difference": dataclasses.asdict(c), "spread": spread, "half_width": MARGIN,
+            "seeds_needed": needed}  # fmt: skip

@@ -1,0 +1,121 @@
+"""A claim's figure and tables, from its record (`verdicts.analyse`) and its runs' curves."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxrlhf.experiments import save_figure
+from jaxrlhf.experiments.stats import format_mean_stderr, t_quantile
+
+
+def half_width(stderr: float, seeds: int) -> float:
+    """The 95% t interval's half-width of a mean of `seeds` values (0 when undefined)."""
+    if seeds < 2 or not math.isfinite(stderr):
+        return 0.0
+    return t_quantile(0.975, seeds - 1) * stderr
+
+
+def plot_claim(record: dict[str, Any], curves: dict[str, list[list[dict]]], path: Path,
+               title: str) -> Path:  # fmt: skip
+    """Three panels: each arm's test accuracy (mean, 95% interval); the claim's comparisons
+    (mean, 95% interval, filled when beyond noise after Holm); test accuracy against KL from
+    the start model at every evaluation (each arm's mean over seeds: the frontier)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.6), layout="constrained")
+    left, middle, right = fig.subplots(1, 3, width_ratios=(1.2, 1.2, 1))
+    rows = record["rows"]
+    y = list(range(len(rows)))
+    left.errorbar([r["test"] for r in rows], y, fmt="o", capsize=3,
+                  xerr=[half_width(r["test_stderr"], r["seeds"]) for r in rows])  # fmt: skip
+    left.set_yticks(y, [f"{r['arm']} ({r['seeds']})" for r in rows], fontsize="small")
+    left.set_xlabel("test accuracy after training (%), mean ± 95% CI (seeds)")
+    findings = record.get("comparisons", [])
+    for i, f in enumerate(findings):
+        middle.errorbar([f["mean"]], [i], xerr=[[f["mean"] - f["low"]], [f["high"] - f["mean"]]],
+                        fmt="o", capsize=3, color="C3" if f["beyond_noise"] else "C0",
+                        mfc=None if f["beyond_noise"] else "white")  # fmt: skip
+    middle.axvline(0.0, color="gray", lw=1)
+    middle.set_yticks(range(len(findings)), [f["name"] for f in findings], fontsize="x-small")
+    middle.set_xlabel("paired difference (points), 95% CI; red: beyond noise (Holm)")
+    for index, (arm, runs) in enumerate(curves.items()):
+        points = _mean_curve(runs)
+        right.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3,
+                   color=f"C{index % 10}", label=arm)  # fmt: skip
+    right.set_xlabel("KL from the start model")
+    right.set_ylabel("test accuracy (%)")
+    if curves:
+        right.legend(fontsize="x-small")
+    for ax in (left, middle, right):
+        ax.grid(alpha=0.3)
+    verdict = record.get("verdict", {}).get("word", "")
+    fig.suptitle(f"{title}: {verdict}" if verdict else title)
+    return save_figure(fig, path)
+
+
+def _mean_curve(runs: Sequence[list[dict]]) -> list[tuple[float, float]]:
+    """(mean KL, mean test accuracy in points) at each evaluation step the runs share."""
+    steps = sorted({p["step"] for run in runs for p in run})
+    out = []
+    for step in steps:
+        points = [p for run in runs for p in run if p["step"] == step
+                  and p.get("kl") is not None and p.get("test") is not None]  # fmt: skip
+        if points:
+            out.append((sum(p["kl"] for p in points) / len(points),
+                        100 * sum(p["test"] for p in points) / len(points)))  # fmt: skip
+    return out
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """The arms (test and validation accuracy, KL, mixed-version share, learner idle share,
+    seeds) and the comparisons (mean ± s.e., 95% interval, p, beyond noise)."""
+    lines = ["| arm | seeds | test % | validation % | KL | mixed | learner idle |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in record["rows"]:
+        cells = [format_mean_stderr(r["test"], r["test_stderr"]),
+                 format_mean_stderr(r["validation"], r["validation_stderr"]),
+                 format_mean_stderr(r["kl"], r["kl_stderr"], digits=2),
+                 format_mean_stderr(r["mixed_version_fraction"], r["mixed_version_fraction_stderr"],
+                                    digits=2),
+                 format_mean_stderr(r["learner_idle_fraction"], r["learner_idle_fraction_stderr"],
+                                    digits=2)]  # fmt: skip
+        lines.append(f"| {r['arm']} | {r['seeds']}/{r['planned']} | {' | '.join(cells)} |")
+    findings = record.get("comparisons", [])
+    if findings:
+        lines += ["", f"{len(findings)} comparisons (Holm over each family):", "",
+                  "| comparison | mean ± s.e. (points) | 95% CI | p | seeds | beyond noise |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for f in findings:
+            lines.append(f"| {f['name']} | {format_mean_stderr(f['mean'], f['stderr'])} | "
+                         f"[{f['low']:+.1f}, {f['high']:+.1f}] | {f['p']:.3g} | {f['seeds']} | "
+                         f"{'yes' if f['beyond_noise'] else 'no'} |")  # fmt: skip
+    if "verdict" in record:
+        lines += ["", f"Verdict: **{record['verdict']['word']}** ({record['verdict']['detail']})"]
+    if "power" in record:
+        p = record["power"]
+        lines += ["", f"Paired spread (s.d. of one-step-off − sync over seeds): "
+                  f"{p['spread']:.2f} points; seeds for a 95% interval of ±{p['half_width']:g} "
+                  f"points: {p['seeds_needed']}"]  # fmt: skip
+    return "\n".join(lines)
+
+
+def claims_table(records: dict[str, dict[str, Any]], titles: dict[str, str],
+                 paper: dict[str, str]) -> str:  # fmt: skip
+    """The claims table: the paper's claim and figure, ours (the claim's headline comparison:
+    mean, 95% interval, seeds) and the verdict."""
+    lines = ["| claim | the paper's figure | ours (points: mean [95% CI], seeds) | verdict |",
+             "|---|---|---|---|"]  # fmt: skip
+    for claim, record in records.items():
+        if claim == "pilot":
+            continue
+        findings = record.get("comparisons", [])
+        ours = "; ".join(f"{f['name']}: {f['mean']:+.1f} [{f['low']:+.1f}, {f['high']:+.1f}], "
+                         f"{f['seeds']}" for f in findings[:4]) or "no runs yet"  # fmt: skip
+        if len(findings) > 4:
+            ours += f" (+{len(findings) - 4} more)"
+        verdict = record.get("verdict", {}).get("word", "-")
+        lines.append(f"| {titles[claim]} | {paper.get(claim, '-')} | {ours} | {verdict} |")
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""The runs of each claim: which arms, which seeds, which overrides of `configs/bed.py`.
+
+A run is a plain `python -m jaxrlhf.main --config=configs/bed.py` (the test bed's default
+workload: Online DPO, one step off, `jaxrlhf.models.bed`) with the overrides of its arm, in
+`{out}/{claim}/{arm}/seed{S}/`. A seed fixes the prompts, the generation seeds (batch
+generation) and nothing else that differs between arms, so two arms of one seed are paired.
+Continuous generation runs unseeded (`jaxrlhf.rl.continuous`): there a seed fixes the prompts.
+
+Every run ends with a greedy evaluation of the whole test split (the figure reported) and of
+the validation split (the one any choice is made on). Claims that compare curves evaluate both
+every `eval_every` updates too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxrlhf.experiments.offpolicy import variant_overrides, variants
+from jaxrlhf.experiments.runner import CONTINUOUS_OVERRIDES, PlannedRun
+
+# The ratio losses' off-policy corrections (loss_params.is_correction).
+CORRECTIONS = ("none", "truncate", "mask", "sequence_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a claim's command line chose: seeds, updates per run and evaluations, and the
+    claim's own axes (each claim reads the ones it has)."""
+
+    seeds: tuple[int, ...]
+    steps: int = 64
+    eval_every: int = 16
+    losses: tuple[str, ...] = ("online_dpo", "ppo", "rloo", "grpo")
+    mini_batches: tuple[int, ...] = (1, 4, 16, 64)
+    corrections: tuple[str, ...] = CORRECTIONS
+    correction_mini_batches: tuple[int, ...] = (16,)
+    sizes: tuple[str, ...] = ("bed-s", "bed", "bed-l")
+    size_mini_batches: tuple[int, ...] = (1, 16, 64)
+    samples: tuple[int, ...] = (2, 4)
+    updates: tuple[int, ...] = (1, 2, 4)
+    mixed_loss: str = "grpo"
+    passthrough: tuple[tuple[str, Any], ...] = ()
+
+
+def _run(out: Path, claim: str, arm: str, seed: int, settings: Settings,
+         overrides: dict[str, Any], labels: dict[str, Any]) -> PlannedRun:  # fmt: skip
+    folder = out / claim / arm / f"seed{seed}"
+    every = settings.eval_every
+    base = {
+        "output_dir": str(folder),
+        "seed": seed,
+        "total_steps": settings.steps,
+        "checkpoint.every": settings.steps,
+        "export": False,
+        "eval.at_end": True,
+        "eval.test": True,
+        "eval.every": every,
+        "eval.test_every": every,
+    }
+    return PlannedRun({"arm": arm, "seed": seed, **labels}, folder,
+                      {**base, **overrides, **dict(settings.passthrough)})  # fmt: skip
+
+
+# --- (a) async ≈ sync ----------------------------------------------------------------------------
+
+# arm -> overrides: the paper's synchronous and one-step-off modes, and continuous generation
+# with in-flight swaps at the same bound.
+ASYNC_ARMS = {
+    "sync": {"max_staleness": 0},
+    "one-step-off": {"max_staleness": 1},
+    "continuous": {"max_staleness": 1, **CONTINUOUS_OVERRIDES},
+}
+
+
+def plan_async(settings: Settings, out: Path, arms: Sequence[str] = tuple(ASYNC_ARMS)):
+    """Each seed's arms one after another, so that partial results pair."""
+    return [
+        _run(
+            out,
+            "a",
+            arm,
+            seed,
+            settings,
+            {"sync_every": 1, "num_mini_batches": 0, **ASYNC_ARMS[arm]},
+            {},
+        )  # fmt: skip
+        for seed in settings.seeds
+        for arm in arms
+    ]
+
+
+def plan_pilot(settings: Settings, out: Path):
+    """The pilot of (a): sync and one-step-off, whose paired spread sizes the seeds."""
+    return plan_async(settings, out, ("sync", "one-step-off"))
+
+
+# --- (b) off-policy robustness by loss ---------------------------------------------------------
+
+
+def offpolicy_arm(variant: str, n: int) -> str:
+    return f"{variant}/N{n}"
+
+
+def loss_cells(settings: Settings) -> list[tuple[str, int]]:
+    """(variant, N): every loss at every N; a ratio loss's corrections at the N of
+    `correction_mini_batches` (at N = 1 every correction is the identity, on-policy)."""
+    cells = [(loss, n) for loss in settings.losses for n in settings.mini_batches]
+    corrected = [v for v in variants(settings.losses, settings.corrections) if "+" in v]
+    cells += [(v, n) for v in corrected for n in settings.correction_mini_batches]
+    return cells
+
+
+def plan_losses(settings: Settings, out: Path):
+    return [
+        _run(
+            out,
+            "b",
+            offpolicy_arm(variant, n),
+            seed,
+            settings,
+            {"num_mini_batches": n, **variant_overrides(variant)},
+            {"variant": variant, "num_mini_batches": n},
+        )  # fmt: skip
+        for seed in settings.seeds
+        for variant, n in loss_cells(settings)
+    ]
+
+
+# --- (c) a larger policy is more robust --------------------------------------------------------
+
+
+def plan_sizes(settings: Settings, out: Path):
+    return [
+        _run(
+            out,
+            "c",
+            f"{size}/N{n}",
+            seed,
+            settings,
+            {"model.path": size, "num_mini_batches": n, "loss": "online_dpo"},
+            {"size": size, "num_mini_batches": n},
+        )  # fmt: skip
+        for seed in settings.seeds
+        for size in settings.sizes
+        for n in settings.size_mini_batches
+    ]
+
+
+# --- (d) K = 4 vs 2 samples per prompt, training-bound ------------------------------------------
+
+
+def plan_samples(settings: Settings, out: Path):
+    return [
+        _run(
+            out,
+            "d",
+            f"K{k}",
+            seed,
+            settings,
+            {
+                "sync_every": 1,
+                "num_mini_batches": 0,
+                "max_staleness": 1,
+                "rollout.samples_per_prompt": k,
+            },
+            {"samples_per_prompt": k},
+        )  # fmt: skip
+        for seed in settings.seeds
+        for k in settings.samples
+    ]
+
+
+# --- (e) updates per batch, generation-bound ----------------------------------------------------
+
+# The bed made generation-bound: each rollout call's samples go through the engine one at a
+# time (GenerateRequest.max_running = 1; the evaluations keep the whole engine), so a batch
+# takes its samples' times added up, longer than the learner's update. A call's deadline counts
+# that (the default, 30 s + rows x max_tokens / 50, does not).
+GENERATION_BOUND = {"rollout.max_running": 1, "generator.generate_timeout_s": 600.0}
+
+
+def plan_updates(settings: Settings, out: Path):
+    return [
+        _run(
+            out,
+            "e",
+            f"U{u}",
+            seed,
+            settings,
+            {
+                "sync_every": 1,
+                "num_mini_batches": 0,
+                "max_staleness": 1,
+                "train.updates_per_batch": u,
+                **GENERATION_BOUND,
+            },
+            {"updates_per_batch": u},
+        )  # fmt: skip
+        for seed in settings.seeds
+        for u in settings.updates
+    ]
+
+
+# --- (f) samples that span a publish ------------------------------------------------------------
+
+
+def mixed_variants(settings: Settings) -> list[str]:
+    """A ratio loss with each correction, and Online DPO beside it."""
+    return ["online_dpo", *variants([settings.mixed_loss], settings.corrections)]
+
+
+def plan_mixed(settings: Settings, out: Path, extra: dict[str, Any] | None = None):
+    """Continuous generation with in-flight swaps, one step off, on an engine that generation
+    binds (`MIXED_WORKLOAD`, `extra` to try others): a sample's tail continues on the weights
+    published meanwhile."""
+    return [
+        _run(
+            out,
+            "f",
+            variant,
+            seed,
+            settings,
+            {
+                "sync_every": 1,
+                "num_mini_batches": 0,
+                "max_staleness": 1,
+                **CONTINUOUS_OVERRIDES,
+                **MIXED_WORKLOAD,
+                **(extra or {}),
+                **variant_overrides(variant),
+            },
+            {"variant": variant},
+        )  # fmt: skip
+        for seed in settings.seeds
+        for variant in mixed_variants(settings)
+    ]
+
+
+# Generation-bound continuous generation on the bed: an engine of 4 sequences for 128 samples a
+# batch, so a sample waits and runs while the learner takes several updates and publishes.
+MIXED_WORKLOAD = {"generator.max_num_seqs": 4, "generator.generate_timeout_s": 600.0}
+
+PLANS = {
+    "pilot": plan_pilot,
+    "a": plan_async,
+    "b": plan_losses,
+    "c": plan_sizes,
+    "d": plan_samples,
+    "e": plan_updates,
+    "f": plan_mixed,
+}

@@ -1,0 +1,110 @@
+"""The claims' analysis (jaxrlhf.experiments.claims) on hand-written run records: paired
+comparisons, Holm's correction and verdicts computed by hand; and the plans' arms."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxrlhf.experiments.claims.plans import PLANS, Settings, loss_cells
+from jaxrlhf.experiments.claims.verdicts import analyse
+
+
+def write_run(folder: Path, test: float, validation: float = 0.5, kl: float = 0.1,
+              steps: int = 4) -> None:  # fmt: skip
+    """A finished run's records: `steps` steps, an evaluation at step 2, accuracies in [0, 1]."""
+    folder.mkdir(parents=True, exist_ok=True)
+    records = [{"step": s, "step_s": 0.5, "kl": kl * s / steps, "staleness_mean": 1.0,
+                "mixed_version_fraction": 0.0, "learner_idle_fraction": 0.1,
+                **({"test_accuracy": test / 2, "eval_accuracy": validation / 2} if s == 2 else {})}
+               for s in range(1, steps + 1)]  # fmt: skip
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = {"test_accuracy_start": 0.2, "eval_accuracy_start": 0.2, "test_accuracy_end": test,
+               "eval_accuracy_end": validation, "wall_seconds": 9.0}  # fmt: skip
+    (folder / "summary.json").write_text(json.dumps(summary))
+
+
+def test_async_as_good_pairs_by_seed_and_judges_by_the_interval(tmp_path):
+    settings = Settings(seeds=(0, 1, 2), steps=4, eval_every=2)
+    runs = PLANS["a"](settings, tmp_path)
+    # sync 50, 60, 70 %; one-step-off 1, 2, 3 points higher; continuous 10, 11, 12 lower.
+    for run in runs:
+        sync = 0.5 + 0.1 * run.labels["seed"]
+        offset = {"sync": 0.0, "one-step-off": 0.01 * (run.labels["seed"] + 1),
+                  "continuous": -0.10 - 0.01 * run.labels["seed"]}[run.labels["arm"]]  # fmt: skip
+        write_run(run.folder, sync + offset)
+    record = analyse("a", runs, settings)
+    by_name = {c["name"]: c for c in record["comparisons"]}
+    # one-step-off − sync: 1, 2, 3 points: mean 2, s.e. 1/sqrt(3), 95% CI 2 ± 2.484, p 0.074.
+    osf = by_name["one-step-off − sync"]
+    assert osf["mean"] == pytest.approx(2.0) and osf["low"] == pytest.approx(-0.484, abs=1e-3)
+    assert osf["p"] == pytest.approx(0.0742, abs=1e-4) and not osf["beyond_noise"]
+    # continuous − sync: −10, −11, −12: CI −11 ± 2.484, p = 0.0027 (t = 19.05, 2 d.f.); Holm
+    # over 2: 0.0027 <= 0.025 rejects, and 0.074 > 0.05 does not.
+    cont = by_name["continuous − sync"]
+    assert cont["mean"] == pytest.approx(-11.0) and cont["beyond_noise"]
+    assert record["family_size"] == 2
+    assert record["verdict"]["word"] == "contradicted"
+    rows = {r["arm"]: r for r in record["rows"]}
+    assert rows["sync"]["test"] == pytest.approx(60.0) and rows["sync"]["seeds"] == 3
+
+
+def test_async_as_good_is_supported_only_above_the_margin(tmp_path):
+    settings = Settings(seeds=tuple(range(6)), steps=4, eval_every=2)
+    runs = PLANS["a"](settings, tmp_path)
+    # every async arm within ±0.5 point of sync: both intervals lie above −2 points.
+    for run in runs:
+        noise = 0.005 * (-1) ** run.labels["seed"] if run.labels["arm"] != "sync" else 0.0
+        write_run(run.folder, 0.5 + 0.01 * run.labels["seed"] + noise)
+    record = analyse("a", runs, settings)
+    assert record["verdict"]["word"] == "supported"
+    assert all(c["low"] > -2 for c in record["comparisons"])
+
+
+def test_a_pilot_gives_the_spread_and_the_seeds_it_needs(tmp_path):
+    settings = Settings(seeds=(0, 1, 2, 3), steps=4, eval_every=2)
+    runs = PLANS["pilot"](settings, tmp_path)
+    # differences 0, 10, 0, 10 points: s.d. 5.774; t(0.975, n−1)·5.774/sqrt(n) <= 2 first at
+    # n = 35 (2.032 · 5.774 / 5.916 = 1.983; at 34, 2.035 · 5.774 / 5.831 = 2.015).
+    for run in runs:
+        diff = 0.1 * (run.labels["seed"] % 2) if run.labels["arm"] == "one-step-off" else 0.0
+        write_run(run.folder, 0.5 + diff)
+    power = analyse("pilot", runs, settings)["power"]
+    assert power["spread"] == pytest.approx(5.7735, abs=1e-3) and power["seeds_needed"] == 35
+
+
+def test_the_loss_claim_compares_falls_from_on_policy(tmp_path):
+    settings = Settings(seeds=(0, 1, 2), steps=4, eval_every=2, losses=("online_dpo", "rloo"),
+                        mini_batches=(1, 4), corrections=("none",))  # fmt: skip
+    runs = PLANS["b"](settings, tmp_path)
+    assert sorted({r.labels["arm"] for r in runs}) == ["online_dpo/N1", "online_dpo/N4",
+                                                       "rloo/N1", "rloo/N4"]  # fmt: skip
+    # Online DPO falls 2 points (60 -> 58); RLOO falls 10, 11, 12 (60 -> 50, 49, 48): RLOO's
+    # fall − DPO's = 8, 9, 10.
+    for run in runs:
+        fall = {"online_dpo": 0.02, "rloo": 0.10 + 0.01 * run.labels["seed"]}[run.labels["variant"]]
+        write_run(run.folder, 0.6 - (fall if run.labels["num_mini_batches"] == 4 else 0.0))
+    record = analyse("b", runs, settings)
+    (only,) = record["comparisons"]
+    assert only["name"] == "rloo − online_dpo, fall at N=4" and only["mean"] == pytest.approx(9.0)
+    assert only["beyond_noise"] and record["verdict"]["word"] == "supported"
+
+
+def test_loss_cells_put_corrections_at_their_n_only():
+    settings = Settings(seeds=(0,), losses=("online_dpo", "grpo"), mini_batches=(1, 16),
+                        corrections=("none", "mask"), correction_mini_batches=(16,))  # fmt: skip
+    assert loss_cells(settings) == [("online_dpo", 1), ("online_dpo", 16), ("grpo", 1),
+                                    ("grpo", 16), ("grpo+mask", 16)]  # fmt: skip
+
+
+def test_every_claim_plans_bed_runs_with_a_test_evaluation_at_the_end(tmp_path):
+    settings = Settings(seeds=(3,), steps=64, eval_every=16)
+    for claim, plan in PLANS.items():
+        runs = plan(settings, tmp_path)
+        assert runs and all(r.overrides["seed"] == 3 for r in runs), claim
+        assert all(r.overrides["eval.test"] and r.overrides["eval.at_end"] for r in runs)
+        # (the pilot's runs are (a)'s sync and one-step-off runs: they count there too)
+        home = "a" if claim == "pilot" else claim
+        assert {r.folder.relative_to(tmp_path).parts[0] for r in runs} == {home}
