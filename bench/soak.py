@@ -35,8 +35,9 @@ and one weight update fails half-way. Exits 1 if any check fails.
    - each server process's resident memory (alone, and with its engine processes) grew at most
      10% after `--warmup` s of serving, and its thread and descriptor counts are flat
      (`/proc/PID/status`, `/proc/PID/fd`, sampled every `--sample-every` s);
-   - each learner process's resident memory grew at most 10% after `--learner-warmup` s (its
-     threads are not checked: the pool's call threads come and go with the load).
+   - each learner process's resident memory grew at most 10% from `--learner-warmup` s after
+     its start to its last training step (its threads are not checked: the pool's call threads
+     come and go with the load).
 
 Prints a table (Markdown, for BENCHMARKS.md) and one JSON line; writes `{out}/soak.json`.
 Extra `--config.KEY=VALUE` arguments go to both runs.
@@ -546,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
         sampler.track("learner", run.start().pid)
         soak.drive(step_s, args.minutes * 60)
         say("faults done; waiting for the run to end")
+        # The learner's memory trend ends with its training: what the end of a run does (the
+        # last evaluation, the plot, the export) is not a leak.
+        wait_until(lambda: run.last_step() >= soak.steps, math.inf, lambda: run.poll() is None)
+        sampler.untrack(run.process.pid)
         run.wait()
         # The last samples must be of servers at work: stopping them would read as shrinking
         # (threads, descriptors, the engine's memory) and hide a leak.

@@ -219,6 +219,11 @@ class Sampler:
             self.series.setdefault(label, [])
             self.ready[label] = self.now()
 
+    def untrack(self, pid: int) -> None:
+        """No more samples of process `pid` (its series so far are kept)."""
+        with self._lock:
+            self._tracked = {label: p for label, p in self._tracked.items() if p != pid}
+
     def start(self) -> None:
         self._thread.start()
 
