@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 import ml_collections
 from absl import app, flags
 
+from jaxrlhf.data.lengths import parse_length_law
 from jaxrlhf.data.recipes import TASKS, VERIFIABLE
 from jaxrlhf.losses import LOSSES
 from jaxrlhf.train_state import micro_batch_count
@@ -283,8 +284,6 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def _check_length_law(rollout) -> None:
-    from jaxrlhf.rl.rollout import parse_length_law
-
     try:
         parse_length_law(rollout.length_law, rollout.max_response_tokens)
     except ValueError as error:

@@ -2,38 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
-# Written last into a folder `built_once` built: the folder is whole.
-COMPLETE = ".complete"
-
-
-def built_once(folder: str | os.PathLike, build: Callable[[Path], None]) -> Path:
-    """`folder`, built by `build(tmp)` into a temporary sibling and renamed into place, unless
-    it is already whole. Processes building the same folder at once (parallel test workers,
-    two runs) never see a half-written one: the first rename wins, the others' copies go."""
-    folder = Path(folder)
-    if (folder / COMPLETE).exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        build(tmp)
-        (tmp / COMPLETE).write_text("")
-        if folder.exists() and not (folder / COMPLETE).exists():
-            shutil.rmtree(folder, ignore_errors=True)  # a half-built folder from before
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not (folder / COMPLETE).exists():  # not another builder's whole folder
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+from jaxrlhf.models.built import cache_dir
 
 
 def resolve_model(path: str) -> Path:
@@ -45,12 +16,10 @@ def resolve_model(path: str) -> Path:
 
         return smollm2_path()
     if path == "tiny":
-        from jaxrlhf.models.smollm2 import cache_dir
         from jaxrlhf.models.tiny import make_tiny_model
 
         return make_tiny_model(cache_dir() / "models" / "tiny-llama")
     if path == "tiny-long":
-        from jaxrlhf.models.smollm2 import cache_dir
         from jaxrlhf.models.tiny import make_tiny_model
 
         return make_tiny_model(

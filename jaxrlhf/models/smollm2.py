@@ -12,12 +12,9 @@ import json
 import os
 from pathlib import Path
 
+from jaxrlhf.models.built import built_once, cache_dir
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """Root of generated artefacts: $JAXRLHF_CACHE, else ~/.cache/jaxrlhf."""
-    return Path(os.environ.get("JAXRLHF_CACHE", Path.home() / ".cache" / "jaxrlhf"))
 
 
 def gguf_path() -> Path:
@@ -36,7 +33,6 @@ def gguf_path() -> Path:
 
 def smollm2_path(target: str | os.PathLike | None = None) -> Path:
     """A Hugging Face folder of SmolLM2-135M-Instruct, converted from the GGUF on first use."""
-    from jaxrlhf.models.paths import built_once
 
     folder = Path(target) if target else cache_dir() / "models" / "SmolLM2-135M-Instruct"
     return built_once(folder, _convert)

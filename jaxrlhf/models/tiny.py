@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jaxrlhf.models.built import built_once
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -149,7 +151,6 @@ def make_tiny_model(
     `*ForSequenceClassification` layout (one label), the layout of reward and value models.
     Returns the folder. An existing complete folder is reused.
     """
-    from jaxrlhf.models.paths import built_once
 
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {sorted(TINY_ARCHS)}")

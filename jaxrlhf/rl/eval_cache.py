@@ -36,7 +36,7 @@ _READ_BYTES = 1 << 22
 
 def default_root() -> Path:
     """Where entries live: the package's cache dir (`JAXRLHF_CACHE`) / evaluations."""
-    from jaxrlhf.models.smollm2 import cache_dir
+    from jaxrlhf.models.built import cache_dir
 
     return cache_dir() / "evaluations"
 

@@ -43,7 +43,10 @@ from jaxrlhf.train_state import (
 class Learner:
     """Policy (+ value) train state on the mesh, the frozen reference, and jitted helpers."""
 
-    def __init__(self, config, model_path: Path, mesh):
+    def __init__(self, config, model_path: Path, mesh, reward_model=None):
+        """`reward_model(mesh)`: the scorer of the task's reward model on `mesh` (a
+        `jaxrlhf.stages.reward.RewardScorer`), made by the caller when `task.reward_model` is
+        set; None: the task's verifier scores."""
         cfg = config
         self.mesh = mesh
         self.temperature = cfg.rollout.temperature
@@ -100,15 +103,8 @@ class Learner:
             self.values = jax.jit(
                 forward_in_micro_batches(value_estimates(self.value), self.micro_batch_size)
             )
-        self.reward = None
-        if cfg.task.reward_model:
-            from jaxrlhf.models.paths import resolve_model
-            from jaxrlhf.stages.reward import RewardScorer
-
-            self.reward = RewardScorer(
-                resolve_model(cfg.task.reward_model), mesh,
-                model_options(cfg.model, frozen=True), self.micro_batch_size,
-            )  # fmt: skip
+        self.reward = None if reward_model is None else reward_model(mesh)
+        if self.reward is not None:
             if self.reward.model.config.vocab_size != self.policy.config.vocab_size:
                 raise ValueError(
                     f"config.task.reward_model={cfg.task.reward_model!r} has a vocabulary of "

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
-
-import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,25 +295,3 @@ def check_complete(index: int, samples: Sequence[Sample], prompts: int, n: int) 
             f"batch {index} came back with {len(missing)} (prompt, sample) missing, "
             f"{len(twice)} twice and {len(extra)} unknown of {prompts} x {n}"
         )
-
-
-def parse_length_law(law: str, max_tokens: int):
-    """None for "" (every prompt gets max_tokens), else (seed, position) -> a budget:
-    "pareto:A:M" = min(max_tokens, ⌈M · U^(−1/A)⌉), U uniform on (0, 1] from (seed, position):
-    a Pareto law of shape A and minimum M (heavy-tailed: A ≤ 2 has infinite variance)."""
-    if not law:
-        return None
-    name, *params = law.split(":")
-    try:
-        shape, minimum = (float(params[0]), int(params[1])) if name == "pareto" else (0, 0)
-    except (IndexError, ValueError):
-        shape = minimum = 0
-    if name != "pareto" or len(params) != 2 or shape <= 0 or not 1 <= minimum <= max_tokens:
-        raise ValueError(f"length law {law!r}: expected pareto:SHAPE:MIN with SHAPE > 0 and "
-                         f"1 <= MIN <= max_response_tokens ({max_tokens})")  # fmt: skip
-
-    def budget(seed: int, position: int) -> int:
-        uniform = 1.0 - np.random.default_rng([seed, position, 7]).random()  # in (0, 1]
-        return int(min(max_tokens, math.ceil(minimum * uniform ** (-1.0 / shape))))
-
-    return budget

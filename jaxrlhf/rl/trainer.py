@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.checkpointing import Checkpointer
+from jaxrlhf.data.lengths import parse_length_law
 from jaxrlhf.distributed import broadcast, is_driver
 from jaxrlhf.models import save_pretrained
 from jaxrlhf.rl.continuous import ContinuousProducer
@@ -40,7 +41,7 @@ from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.metrics import MetricsWriter
 from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.publisher import Publisher
-from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer, parse_length_law
+from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer
 from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import make_mesh
 
@@ -321,15 +322,17 @@ def save_checkpoint(checkpointer, step: int, cfg, publisher: Publisher, producer
     checkpointer.save(step, publisher.learner.state, meta, force=True)
 
 
-def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, log) -> RunResult:
+def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, log,
+             reward_model=None) -> RunResult:  # fmt: skip
     """Runs (or resumes) the RLHF loop against already-serving generator replicas.
 
     Over several processes (`jaxrlhf.distributed`) every process runs this; only the driver has
-    a `pool` (None elsewhere), runs the rollout producer and writes files.
+    a `pool` (None elsewhere), runs the rollout producer and writes files. `reward_model(mesh)`:
+    the task's reward-model scorer (`Learner`), None for a verifiable task.
     """
     cfg, driver, out = config, is_driver(), Path(config.output_dir)
     mesh = make_mesh(tuple(cfg.mesh.shape))
-    learner = Learner(cfg, model_path, mesh)
+    learner = Learner(cfg, model_path, mesh, reward_model)
     log(f"learner mesh {dict(mesh.shape)} over {jax.process_count()} process(es)")
     learner.spec.check(cfg.rollout.samples_per_prompt, has_value_model=learner.value is not None)
     checkpointer = Checkpointer(out / "checkpoints", cfg.checkpoint.every)

@@ -8,11 +8,14 @@ import os
 import time
 from pathlib import Path
 
+from jaxrlhf.config import model_options
 from jaxrlhf.distributed import is_driver
+from jaxrlhf.models.paths import resolve_model
 from jaxrlhf.rl.pool import GeneratorPool, Timeouts
 from jaxrlhf.rl.service import engine_args, start_server
 from jaxrlhf.rl.tasks import build_task
 from jaxrlhf.rl.trainer import run_rlhf
+from jaxrlhf.stages.reward import RewardScorer
 
 
 @contextlib.contextmanager
@@ -81,17 +84,27 @@ def check_swap_mode(gen, targets, statuses) -> None:
         )
 
 
+def reward_model(config):
+    """mesh -> the scorer of `config.task.reward_model` on it (None: the task's verifier)."""
+    if not config.task.reward_model:
+        return None
+    path = resolve_model(config.task.reward_model)
+    options = model_options(config.model, frozen=True)
+    return lambda mesh: RewardScorer(path, mesh, options, config.train.micro_batch_size)
+
+
 def run(config, model_path: Path, log) -> dict:
     import transformers
 
     started = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     task = build_task(config, tokenizer, test=config.eval.test)
+    reward = reward_model(config)
     if is_driver():  # the only process that talks to the generators (jaxrlhf.distributed)
         with generator_pool(config, model_path, log) as pool:
-            result = run_rlhf(config, model_path, task, pool, log)
+            result = run_rlhf(config, model_path, task, pool, log, reward)
     else:
-        result = run_rlhf(config, model_path, task, None, log)
+        result = run_rlhf(config, model_path, task, None, log, reward)
     summary = {**result.summary, "total_seconds": time.perf_counter() - started}
     out = Path(config.output_dir)
     if is_driver():

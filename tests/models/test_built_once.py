@@ -3,7 +3,7 @@
 import threading
 import time
 
-from jaxrlhf.models.paths import COMPLETE, built_once
+from jaxrlhf.models.built import COMPLETE, built_once
 
 
 def _slow_build(calls: list):

@@ -32,7 +32,7 @@ class InstantLearner:
     """What the loop needs of `Learner`, with an update that does nothing; notes the traced
     memory at steps FROM and TO."""
 
-    def __init__(self, config, model_path, mesh):
+    def __init__(self, config, model_path, mesh, reward_model=None):
         self.state = {"w": jnp.ones(3)}  # (saved by the last checkpoint)
         self.spec = SimpleNamespace(check=lambda *args, **kwargs: None)
         self.value = None

@@ -160,7 +160,7 @@ def test_the_pareto_length_law_by_hand():
 
     import numpy as np
 
-    from jaxrlhf.rl.rollout import parse_length_law
+    from jaxrlhf.data.lengths import parse_length_law
 
     assert parse_length_law("", 64) is None
     budget = parse_length_law("pareto:1.5:4", 64)
