@@ -149,12 +149,12 @@ class ContinuousProducer(ProducerBase):
             while not self._stop.is_set():
                 if self._queue:
                     batch, prompt = self._queue[0]
-                    if self._published >= self._batches[batch].required:
+                    if self._served >= self._batches[batch].required:
                         return self._queue.popleft()
                 elif self._next_batch < self._end_batch:
                     index = self._next_batch
                     required = self.required_version(index)
-                    if self._published >= required:
+                    if self._served >= required:
                         prompts = self._prompts_for_batch(index)
                         self._batches[index] = _Batch(index, prompts, required, time.perf_counter())
                         self._queue.extend((index, p) for p in range(len(prompts)))

@@ -2,7 +2,7 @@
 
 A version is the generators' label of a set of weights. A run starts at the version serving
 when it begins (`base_version`, or one more when it publishes its own initial weights); update
-k makes `base_version + k` (`version`); the generators serve `published` (below `version`
+k makes `base_version + k` (`version`); the generators serve `served` (below `version`
 between two publishes when `sync_every` > 1). Only the learner publishes, so whatever it waits
 for that needs generation (a batch, a checkpoint's batches, an evaluation) also brings back
 replicas that answer again (`wait`).
@@ -17,7 +17,7 @@ writes new ones and v's stay valid; the memory of one more copy during the step,
 time); a parameter published in another dtype is cast on its device first. At most one
 publish is in flight: the next due one, a checkpoint, an evaluation, a rejoin and the end of
 the run wait for it first (`finish`). The staleness rule is unchanged: a
-batch that needs v waits until v is served (`producer.publish(v)`, from the thread). Per step
+batch that needs v waits until v is served (`producer.weights_served(v)`, from the thread). Per step
 (`take_times`): `weight_sync_s`, the seconds of the publishes the learner saw finish during the
 step (in the background: the one an earlier update started, when the learner next needs it
 done), and `publish_blocked_s`, the seconds the learner waited on publishing (the cast, and
@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -46,10 +46,33 @@ from jaxrlhf.distributed import broadcast, driven_plans, driven_streams
 from jaxrlhf.models import hf_tensor_specs, iter_hf_slices, iter_hf_tensors, slice_plan
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.pool import GeneratorPool
-from jaxrlhf.rl.rollout import Rollout
+from jaxrlhf.rl.transport import PublishStats, WeightTransport
 from jaxrlhf.rl.transport.senders import FollowerSenders
 
 REJOIN_POLL_SECONDS = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishJob:
+    """One publish as the pool sends it: `version` of tensors laid out as `specs`, whether
+    replicas serving a newer version take it (`rollback`), and whether only the rejoining
+    replicas get it. `send(tensors, transport=...)` is called once per stream of tensors
+    (`distributed.driven_streams`, `publish_sliced`): each call is the pool's publish."""
+
+    pool: GeneratorPool | None
+    version: int
+    specs: list
+    rollback: bool = False
+    rejoining_only: bool = False
+
+    def send(self, tensors: Callable[[], Iterator[tuple[str, Any]]],
+             transport: WeightTransport | None = None) -> PublishStats:  # fmt: skip
+        """`pool.publish_weights` of `tensors` (a stream factory), through `transport` when
+        given (the senders of a multi-process learner)."""
+        return self.pool.publish_weights(
+            tensors, len(self.specs), self.version, allow_rollback=self.rollback,
+            specs=self.specs, rejoining_only=self.rejoining_only, transport=transport,
+        )  # fmt: skip
 
 
 def publish(
@@ -68,56 +91,35 @@ def publish(
     PublishStats."""
     policy_params = learner.state.params["policy"] if params is None else params
     specs = hf_tensor_specs(learner.policy, policy_params, dtype)
-    send = functools.partial(publish_weights_of, pool, len(specs), version, rollback, specs,
-                             rejoining_only)  # fmt: skip
+    job = PublishJob(pool, version, specs, rollback=rollback, rejoining_only=rejoining_only)
     if jax.process_count() > 1:
         plan = slice_plan(learner.policy, policy_params)
         if not plan.gathered:  # the same on every process
-            return publish_sliced(learner.policy, policy_params, dtype, plan, pool, specs, send)
-    return driven_streams(lambda: iter_hf_tensors(learner.policy, policy_params, dtype), send)
-
-
-def publish_weights_of(pool, num_tensors, version, rollback, specs, rejoining_only, tensors,
-                       transport=None):  # fmt: skip
-    """`pool.publish_weights` of `tensors` (a stream factory), through `transport` when given
-    (the senders of a multi-process learner)."""
-    chosen = {} if transport is None else {"transport": transport}
-    return pool.publish_weights(tensors, num_tensors, version, allow_rollback=rollback,
-                                specs=specs, rejoining_only=rejoining_only, **chosen)  # fmt: skip
+            return publish_sliced(learner.policy, policy_params, dtype, plan, job)
+    return driven_streams(lambda: iter_hf_tensors(learner.policy, policy_params, dtype), job.send)
 
 
 _FOLLOWER = FollowerSenders()  # a process other than the driver: its clients, kept
 
 
-def publish_sliced(model, params, dtype: str | None, plan, pool, specs, send):
+def publish_sliced(model, params, dtype: str | None, plan, job: PublishJob):
     """Every process sends (streams, or writes into the shared file) the slices its devices
     own (`jaxrlhf.rl.transport.senders`): the driver's pool runs the attempts and announces
     each; the others follow it. No gather."""
-    slices = functools.partial(iter_hf_slices, model, params, dtype, plan)
+
+    def slices():
+        return iter_hf_slices(model, params, dtype, plan)
+
     sender = plan.sender(jax.process_index())
 
     def consume(announce):
-        return send(slices, transport=pool.sender_transport(specs, len(plan.senders), announce))
+        senders = len(plan.senders)
+        return job.send(slices, transport=job.pool.sender_transport(job.specs, senders, announce))
 
     def follow(attempt) -> None:
         _FOLLOWER.send(attempt, slices, sender)
 
     return driven_plans(consume, follow)
-
-
-def check_within_history(rollout: Rollout, learner_version: int) -> None:
-    """Raises RuntimeError if a token of `rollout` has a version newer than `learner_version`
-    (the weights the update starts from): no publish of this run made those weights, so they
-    are another run's (a generator left serving what a killed run published after its last
-    checkpoint) and the batch must not be trained on."""
-    newest = max((max(s.token_versions, default=s.policy_version) for s in rollout.samples),
-                 default=learner_version)  # fmt: skip
-    if newest > learner_version:
-        raise RuntimeError(
-            f"batch {rollout.batch_index} has tokens of policy version {newest}, newer than the "
-            f"learner's {learner_version}: they were sampled from weights this run never "
-            "published (a generator serving another run's weights?); the batch is not trained on"
-        )
 
 
 def publish_due(updates: int, cfg) -> bool:
@@ -147,10 +149,10 @@ class Publisher:
     dtype: str | None  # of the published tensors
     base_version: int
     version: int  # the learner's
-    # The version the schedule has released to the producer: batches needing a newer one wait
-    # for the next due publish. The generators serve it, or (after resuming between two
+    # The newest version a due publish sent, so the schedule's: batches needing a newer one
+    # wait for the next due publish. The generators serve it, or (after resuming between two
     # publishes) the learner's weights of the checkpoint (`jaxrlhf.rl.trainer.begin`).
-    published: int
+    served: int
     background: bool = False  # publish beside the next train step (module docstring)
     _pending: concurrent.futures.Future | None = dataclasses.field(default=None, repr=False)
     _thread: concurrent.futures.ThreadPoolExecutor | None = dataclasses.field(
@@ -195,8 +197,8 @@ class Publisher:
         generators' longest pause)."""
         stats = publish(self.learner, self.pool, version, self.dtype, params=params)
         if producer is not None:
-            producer.publish(version)
-        self.published = version
+            producer.weights_served(version)
+        self.served = version
         if stats is None:  # another process's, or a test's
             return time.perf_counter() - started, 0.0
         return stats.seconds, stats.pause_seconds
@@ -232,24 +234,6 @@ class Publisher:
             if self._thread is not None:
                 self._thread.shutdown()
                 self._thread = None
-
-    def next_batch(self, producer) -> Rollout:
-        """The next batch (the driver's, on every process), rejoining replicas meanwhile.
-        Every batch the learner trains on passes here: a token of a version newer than the
-        learner's was sampled from weights outside this run's history, and is an error that
-        names the batch (`check_within_history`)."""
-        poll = None if producer is None else lambda timeout: producer.next(timeout=timeout)
-        rollout = self.wait(poll)
-        check_within_history(rollout, self.version)
-        return rollout
-
-    def checkpoint_batches(self, producer) -> list[Rollout]:
-        """The batches a checkpoint at the learner's version holds (`snapshot`; the driver's,
-        on every process), rejoining replicas while they are generated: a batch that waits for
-        a live replica completes only once one has the weights again."""
-        self.finish()
-        poll = None if producer is None else lambda t: producer.snapshot(self.version, t)
-        return self.wait(poll)
 
     def in_background(self, fn) -> Any:
         """fn() run by the driver (None elsewhere) in a thread, its result on every process,

@@ -114,9 +114,9 @@ class GenerationBackend(Protocol):
 
 class ProducerBase:
     """What the learner sees of a producer (this module's and `jaxrlhf.rl.continuous`'s):
-    batches start_batch, start_batch+1, ... handed over in order by `next()`, `publish(version)`
-    once the generators serve new weights, the staleness rule, and a failure of the producer
-    thread re-raised to the learner."""
+    batches start_batch, start_batch+1, ... handed over in order by `next()`,
+    `weights_served(version)` once a due publish has sent new weights, the staleness rule, and a
+    failure of the producer thread re-raised to the learner."""
 
     def __init__(
         self,
@@ -124,7 +124,7 @@ class ProducerBase:
         sampling: dict[str, Any],
         max_staleness: int,
         start_batch: int,
-        published_version: int,
+        served_version: int,
         end_batch: int,
         base_version: int = 0,
         generation_seed: int | None = None,
@@ -141,7 +141,7 @@ class ProducerBase:
         self._ready: collections.deque[Rollout] = collections.deque(pending)
         self._next_batch = start_batch + len(self._ready)
         self._end_batch = end_batch
-        self._published = published_version
+        self._served = served_version
         self._cond = threading.Condition()
         self._error: BaseException | None = None
 
@@ -149,10 +149,11 @@ class ProducerBase:
         """The run's versions start at `base_version` (the version serving when it began)."""
         return self.base_version + max(0, batch_index - self.max_staleness)
 
-    def publish(self, version: int) -> None:
-        """The generator now serves `version`: batches that waited for it may start."""
+    def weights_served(self, version: int) -> None:
+        """The generators now serve `version` (a due publish sent it): batches that waited for
+        it may start."""
         with self._cond:
-            self._published = max(self._published, version)
+            self._served = max(self._served, version)
             self._cond.notify_all()
 
     def next(self, timeout: float | None = None) -> Rollout:
@@ -200,7 +201,7 @@ class RolloutProducer(ProducerBase):
                     self._stopped
                     or self._error is not None
                     or self._admitted >= self._end_batch
-                    or self.required_version(self._admitted) > self._published
+                    or self.required_version(self._admitted) > self._served
                 )
             )
 
@@ -223,7 +224,7 @@ class RolloutProducer(ProducerBase):
         """
         with self._cond:
             # The newest version whose batches the checkpoint must hold.
-            held = min(self._published, version - 1)
+            held = min(self._served, version - 1)
 
             def complete() -> bool:
                 done = self._next_batch
@@ -249,7 +250,7 @@ class RolloutProducer(ProducerBase):
                 required = self.required_version(index)
                 with self._cond:
                     self._cond.wait_for(
-                        lambda required=required: self._stopped or self._published >= required
+                        lambda required=required: self._stopped or self._served >= required
                     )
                     if self._stopped:
                         return

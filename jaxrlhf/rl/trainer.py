@@ -199,14 +199,14 @@ def begin(cfg, learner: Learner, pool, model_path: Path, checkpointer, log) -> R
     if cfg.resume and checkpointer.latest_step() is not None:
         learner.state, meta = checkpointer.restore(None, learner.state)
         version = meta["policy_version"]
-        published = meta.get("published_version", version)
+        served = meta.get("served_version", meta.get("published_version", version))
         # The generators may serve weights the killed run published after its checkpoint:
         # outside the history of this run. Roll them back to the checkpoint's own weights,
         # under its version, before anything samples from them. Between two publishes
-        # (sync_every > 1) those are newer than the ones the schedule released (`published`),
+        # (sync_every > 1) those are newer than the ones the schedule released (`served`),
         # which stays the producer's gate: the batches that ran on the released weights are in
         # `pending` or, generated again, run on the checkpoint's (within the staleness bound).
-        publisher = Publisher(learner, pool, dtype, meta["base_version"], version, published)
+        publisher = Publisher(learner, pool, dtype, meta["base_version"], version, served)
         publisher.send(rollback=True)
         log(f"resumed from step {meta['step']} (policy version {version})")
         pending = [Rollout.from_json(r) for r in meta["pending_rollouts"]]
@@ -234,7 +234,7 @@ def make_producer(cfg, task: Task, pool: GeneratorPool, start: RunStart, log=Non
         _sampling(cfg),
         max_staleness=cfg.max_staleness,
         start_batch=start.step,
-        published_version=start.publisher.published,
+        served_version=start.publisher.served,
         end_batch=cfg.total_steps,
         base_version=start.publisher.base_version,
         # (continuous: unseeded for now: per-request seeds kill vLLM 0.32's CPU engine,
@@ -304,16 +304,50 @@ class Evaluator:
         return out
 
 
+def check_within_history(rollout: Rollout, learner_version: int) -> None:
+    """Raises RuntimeError if a token of `rollout` has a version newer than `learner_version`
+    (the weights the update starts from): no publish of this run made those weights, so they
+    are another run's (a generator left serving what a killed run published after its last
+    checkpoint) and the batch must not be trained on."""
+    newest = max((max(s.token_versions, default=s.policy_version) for s in rollout.samples),
+                 default=learner_version)  # fmt: skip
+    if newest > learner_version:
+        raise RuntimeError(
+            f"batch {rollout.batch_index} has tokens of policy version {newest}, newer than the "
+            f"learner's {learner_version}: they were sampled from weights this run never "
+            "published (a generator serving another run's weights?); the batch is not trained on"
+        )
+
+
+def next_batch(publisher: Publisher, producer) -> Rollout:
+    """The producer's next batch (the driver's, on every process), replicas that answer again
+    brought back meanwhile (`Publisher.wait`). Every batch the learner trains on comes through
+    here and is checked against the learner's version (`check_within_history`)."""
+    poll = None if producer is None else lambda timeout: producer.next(timeout=timeout)
+    rollout = publisher.wait(poll)
+    check_within_history(rollout, publisher.version)
+    return rollout
+
+
+def checkpoint_batches(publisher: Publisher, producer) -> list[Rollout]:
+    """The batches a checkpoint at the learner's version holds (the producer's `snapshot`; the
+    driver's, on every process), replicas brought back while they are generated: a batch that
+    waits for a live replica completes only once one has the weights again."""
+    publisher.finish()
+    poll = None if producer is None else lambda t: producer.snapshot(publisher.version, t)
+    return publisher.wait(poll)
+
+
 def save_checkpoint(checkpointer, step: int, cfg, publisher: Publisher, producer, at_start):
     """The learner's state, with what a resumed run needs besides: the versions, the
     evaluations before training, and the batches generated on weights the checkpoint does not
     hold and not trained on yet (none at the end)."""
     publisher.finish()  # the versions below are settled
-    held = [] if step == cfg.total_steps else publisher.checkpoint_batches(producer)
+    held = [] if step == cfg.total_steps else checkpoint_batches(publisher, producer)
     meta = {
         "step": step,
         "policy_version": publisher.version,
-        "published_version": publisher.published,
+        "served_version": publisher.served,
         "base_version": publisher.base_version,
         "seed": cfg.seed,
         "evaluated_at_start": at_start,
@@ -484,7 +518,7 @@ def train_one_step(
 ) -> dict[str, Any]:
     """One update of the loop: wait for the next batch, learn from it, publish when due."""
     t0 = time.perf_counter()
-    rollout = publisher.next_batch(producer)
+    rollout = next_batch(publisher, producer)
     wait_s = time.perf_counter() - t0
     trained_from = publisher.version  # the parameters this update starts from
     learned = learner.learn(rollout, task)

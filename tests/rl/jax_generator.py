@@ -87,6 +87,7 @@ class JaxGenerator:
         allow_rollback: bool = False,
         specs: Sequence | None = None,
         rejoining_only: bool = False,
+        transport=None,  # (one in-process replica: nothing travels)
     ) -> PublishStats:
         started = time.perf_counter()
         if policy_version <= self.version and not allow_rollback:

@@ -54,7 +54,7 @@ def start(replicas, max_staleness: int, end_batch: int, **options):
     pool.wait_until_serving(timeout=30)
     producer = ContinuousProducer(pool, prompts_for_batch, {"n": N, "max_tokens": 1},
                                   max_staleness, start_batch=options.pop("start_batch", 0),
-                                  published_version=0, end_batch=end_batch,
+                                  served_version=0, end_batch=end_batch,
                                   **options)  # fmt: skip
     return pool, producer
 
@@ -66,7 +66,7 @@ def serve(pool: GeneratorPool, producer, replicas, version: int) -> None:
         fake.version = version
     for replica in pool.replicas:
         pool._join(replica, version)
-    producer.publish(version)
+    producer.weights_served(version)
 
 
 def prompts_of(replica: FakeGenerator) -> list[tuple[int, int]]:
@@ -169,7 +169,7 @@ def test_a_sample_older_than_its_bound_is_refused():
     replica.version = 1
     pool, producer = start([replica], max_staleness=0, end_batch=3)
     try:
-        producer.publish(1)
+        producer.weights_served(1)
         with pytest.raises(RuntimeError, match=r"batch 1 needs policy version >= 1 but the "
                            r"generator answered with tokens of version 0"):  # fmt: skip
             for _ in range(3):
@@ -228,7 +228,7 @@ def test_resuming_from_a_checkpoint_taken_while_batches_are_in_flight():
     pool, resumed = start([fresh], max_staleness=2, end_batch=5, start_batch=1,
                           pending=held, base_version=0)  # fmt: skip
     try:
-        resumed.publish(1)
+        resumed.weights_served(1)
         batches = [resumed.next(WAIT_S) for _ in range(3)]
         serve(pool, resumed, [fresh], 2)
         batches.append(resumed.next(WAIT_S))
@@ -264,13 +264,13 @@ def test_leased_calls_keep_a_long_tailed_engine_full():
     call had a thread, filled about half.)"""
     n = 4
     replica = FakeGenerator(capacity=64, workers=256,
-                            finish_after=_pareto_finish(0.15, 1.2, 2.0))  # fmt: skip
+                            finish_after=_pareto_finish(0.3, 1.2, 3.0))  # fmt: skip
     pool = GeneratorPool([replica.address], probe_interval=0.1, no_replica_timeout=30.0)
     pool.wait_until_serving(timeout=30)
-    batches = 24
+    batches = 10
     producer = ContinuousProducer(
         pool, lambda i: [PromptItem(f"b{i}p{p}", (i, p), None) for p in range(16)],
-        {"n": n, "max_tokens": 1}, max_staleness=batches, start_batch=0, published_version=0,
+        {"n": n, "max_tokens": 1}, max_staleness=batches, start_batch=0, served_version=0,
         end_batch=batches,
     )  # fmt: skip
     try:

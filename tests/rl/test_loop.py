@@ -134,7 +134,7 @@ def batch_spans(tiny_llama, address, producer_class) -> list[tuple[float, float]
     base = pool.wait_until_serving()[0].policy_version
     sampling = dict(n=2, temperature=1.0, max_tokens=24, ignore_eos=True)
     producer = producer_class(pool, prompts_for_batch, sampling, max_staleness=2,
-                              start_batch=0, published_version=base, end_batch=3,
+                              start_batch=0, served_version=base, end_batch=3,
                               base_version=base)  # fmt: skip
     try:
         batches = [producer.next(timeout=120) for _ in range(3)]

@@ -223,6 +223,7 @@ def test_replicas_rejoin_between_two_publishes_with_the_learners_weights_and_ver
     from jaxrlhf.models import iter_hf_tensors
     from jaxrlhf.rl.learner import Learner
     from jaxrlhf.rl.publisher import Publisher
+    from jaxrlhf.rl.trainer import checkpoint_batches, next_batch
     from jaxrlhf.sharding import make_mesh
 
     config = get_config()
@@ -233,7 +234,7 @@ def test_replicas_rejoin_between_two_publishes_with_the_learners_weights_and_ver
     try:
         # The last publish, version 3, fails on the only replica (which is left NOT_SERVING) ...
         recording.engine.fail_swaps = 1
-        publisher = Publisher(learner, pool, dtype, base_version=0, version=3, published=3)
+        publisher = Publisher(learner, pool, dtype, base_version=0, version=3, served=3)
         publisher.send()
         # ... and the learner takes one more update before it answers again: version 4, not
         # published (sync_every = 2). Its weights are no longer those of version 3.
@@ -242,9 +243,9 @@ def test_replicas_rejoin_between_two_publishes_with_the_learners_weights_and_ver
         publisher.version = 4
         producer = WaitingProducer(pool)
         if waiting_for == "batch":
-            got = "generated" if publisher.next_batch(producer).batch_index == 0 else None
+            got = "generated" if next_batch(publisher, producer).batch_index == 0 else None
         elif waiting_for == "checkpoint":
-            got = publisher.checkpoint_batches(producer)
+            got = checkpoint_batches(publisher, producer)
         else:
             got = publisher.in_background(producer.generated)
         assert got == "generated"

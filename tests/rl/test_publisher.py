@@ -25,7 +25,7 @@ class Producer:
     def wait_admitted(self):
         pass
 
-    def publish(self, version):
+    def weights_served(self, version):
         self.versions.append(version)
 
 
@@ -47,7 +47,7 @@ def test_a_publish_runs_beside_the_next_step_from_a_copy_of_its_weights(monkeypa
     publisher = Publisher(learner, None, "bfloat16", 0, 0, 0, background=True)
 
     publisher.after_update(cfg, producer)  # version 1: started, not waited for
-    assert publisher.version == 1 and publisher.published == 0 and producer.versions == []
+    assert publisher.version == 1 and publisher.served == 0 and producer.versions == []
     # The learner's next update donates its parameters (deleted here) and makes new ones.
     learner.state.params["policy"]["w"].delete()
     learner.state.params = {"policy": {"w": jnp.full(3, 7.0)}}
@@ -58,7 +58,7 @@ def test_a_publish_runs_beside_the_next_step_from_a_copy_of_its_weights(monkeypa
     started = time.perf_counter()
     publisher.after_update(cfg, producer)  # version 2 waits for 1 to finish, then starts
     assert time.perf_counter() - started >= 0.25
-    assert publisher.published == 1 and producer.versions == [1]
+    assert publisher.served == 1 and producer.versions == [1]
     second = publisher.take_times()
     assert second["publish_blocked_s"] >= 0.25 and second["weight_sync_s"] >= 0.25
     thread, weights = sent[1]
@@ -68,7 +68,7 @@ def test_a_publish_runs_beside_the_next_step_from_a_copy_of_its_weights(monkeypa
     release[2].set()
     with pytest.raises(RuntimeError, match="version 2"):
         publisher.finish()  # where the learner next needs it done
-    assert publisher.published == 1 and producer.versions == [1]
+    assert publisher.served == 1 and producer.versions == [1]
     np.testing.assert_array_equal(sent[2][1], np.full(3, 7.0, ml_dtypes.bfloat16))
     publisher.close()
 
@@ -91,7 +91,7 @@ def test_without_the_background_a_publish_is_in_the_step(monkeypatch):
                                       "generator_pause_s": 0.0}  # fmt: skip
     publisher.after_update(cfg, producer)
     assert threads == [(threading.main_thread(), None)]  # the learner's own parameters
-    assert publisher.published == 2 and producer.versions == [2]
+    assert publisher.served == 2 and producer.versions == [2]
     times = publisher.take_times()
     # The publish's own figures (its PublishStats), and the learner blocked for its call.
     assert (times["weight_sync_s"], times["generator_pause_s"]) == (0.125, 0.0625)

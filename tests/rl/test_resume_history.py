@@ -3,7 +3,7 @@
 A run killed after it published version 4 leaves its generators serving 4; its last checkpoint
 (update 2, with `sync_every` 4) recorded the learner at version 2 and version 0 published. The
 resumed run's learner is at 2: a sample of version 4 comes from weights it never had. The test
-resumes the real loop's start (`begin`, the continuous producer, `Publisher.next_batch`) against
+resumes the real loop's start (`begin`, the continuous producer, `trainer.next_batch`) against
 a replica left serving 4, and checks the batches the learner gets; and that a batch with a token
 newer than the learner is refused wherever it comes from, naming the batch.
 """
@@ -20,7 +20,7 @@ from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.publisher import Publisher
 from jaxrlhf.rl.rollout import PromptItem, Rollout, Sample
-from jaxrlhf.rl.trainer import begin, make_producer
+from jaxrlhf.rl.trainer import begin, make_producer, next_batch
 from jaxrlhf.sharding import make_mesh
 from tests.generator_service.replicas import FakeGenerator
 from tests.rl.test_learning import learning_config, target_task
@@ -38,7 +38,7 @@ def test_a_resumed_continuous_run_never_samples_from_the_killed_runs_newer_weigh
     config.resume = True
     learner = Learner(config, tiny_llama, make_mesh(tuple(config.mesh.shape)))
     checkpointer = Checkpointer(tmp_path / "checkpoints", 2)
-    meta = {"step": 2, "policy_version": 2, "published_version": 0, "base_version": 0,
+    meta = {"step": 2, "policy_version": 2, "served_version": 0, "base_version": 0,
             "seed": config.seed, "evaluated_at_start": {}, "pending_rollouts": []}  # fmt: skip
     checkpointer.save(2, learner.state, meta, force=True)
     checkpointer.close()
@@ -52,7 +52,7 @@ def test_a_resumed_continuous_run_never_samples_from_the_killed_runs_newer_weigh
         start = begin(config, learner, pool, tiny_llama, checkpointer, lambda message: None)
         producer = make_producer(config, target_task(tokenizer), pool, start)
         # Batches 2 and 3 need version 0 (bound 3): nothing of the schedule waits for them.
-        batches = [start.publisher.next_batch(producer) for _ in range(2)]
+        batches = [next_batch(start.publisher, producer) for _ in range(2)]
     finally:
         if producer is not None:
             producer.close()
@@ -78,8 +78,8 @@ def test_a_batch_with_a_token_newer_than_the_learner_is_refused_naming_it(versio
     producer = SimpleNamespace(next=lambda timeout: _rollout(7, versions))
     publisher = Publisher(None, None, None, 0, 3, 3)
     if newest is None:
-        assert publisher.next_batch(producer).batch_index == 7
+        assert next_batch(publisher, producer).batch_index == 7
         return
     with pytest.raises(RuntimeError, match=rf"batch 7 has tokens of policy version {newest}, "
                        r"newer than the learner's 3"):  # fmt: skip
-        publisher.next_batch(producer)
+        next_batch(publisher, producer)

@@ -42,7 +42,7 @@ def prompts_for_batch(index: int) -> list[PromptItem]:
 
 
 def producer(backend, max_staleness: int, end_batch: int, **kwargs) -> RolloutProducer:
-    kwargs = {"start_batch": 0, "published_version": 0, **kwargs}
+    kwargs = {"start_batch": 0, "served_version": 0, **kwargs}
     return RolloutProducer(backend, prompts_for_batch, {"n": N}, max_staleness,
                            end_batch=end_batch, **kwargs)  # fmt: skip
 
@@ -83,7 +83,7 @@ def test_snapshot_between_two_publishes_holds_what_runs_on_the_served_weights():
         assert [rollouts.next(WAIT_S).batch_index for _ in range(2)] == [2, 3]
         rollouts.wait_admitted()
         backend.version = 4
-        rollouts.publish(4)
+        rollouts.weights_served(4)
         later = [rollouts.next(WAIT_S) for _ in range(4)]
         assert [r.batch_index for r in later] == [4, 5, 6, 7]
         assert {s.policy_version for r in later for s in r.samples} == {4}
@@ -112,7 +112,7 @@ def test_snapshot_at_a_publish_waits_for_the_batches_of_older_weights():
             rollouts.next(WAIT_S)
             rollouts.wait_admitted()
             backend.version = version
-            rollouts.publish(version)
+            rollouts.weights_served(version)
         held = within(WAIT_S, lambda: rollouts.snapshot(2))
         assert [r.batch_index for r in held] == [2]
         assert {s.policy_version for s in held[0].samples} == {1}
@@ -133,7 +133,7 @@ def test_a_sample_older_than_its_bound_is_refused(versions, oldest):
     """max_staleness 0 from version 2: batch 2 needs version 2; a generator that answers with
     older tokens (a replica that missed the publish) fails the run with a clear error."""
     rollouts = producer(ScriptedBackend(versions), max_staleness=0, end_batch=3, start_batch=2,
-                        published_version=2)  # fmt: skip
+                        served_version=2)  # fmt: skip
     try:
         message = f"batch 2 needs policy version >= 2 but the generator answered with tokens of " \
                   f"version {oldest}"  # fmt: skip
