@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -115,10 +116,11 @@ def refuse_earlier_checkpoints(runs: list[StageRun], whole: bool) -> None:
         if not earlier or config.resume:
             continue
         if whole:
+            again = shlex.join(["python", "-m", "jaxrlhf.main", *sys.argv[1:]])
             message = (
                 f"{config.output_dir} (the recipe's {run.stage} stage) holds the checkpoints of "
-                f"a run that did not finish (steps {earlier}): add --config.resume=true to "
-                "continue it, or delete that folder to run the stage afresh"
+                f"a run that did not finish (steps {earlier}): continue it with `{again} "
+                "--config.resume=true`, or delete that folder to run the stage afresh"
             )
         else:
             message = (

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -184,8 +185,10 @@ def test_one_command_runs_the_nobots_recipe_and_skips_finished_stages(
     assert line.startswith(
         "config error: runs/nobots/reward (the recipe's reward stage) holds the checkpoints of a "
         "run that did not finish (steps ["
-    ) and line.endswith("]): add --config.resume=true to continue it, or delete that folder to "
-                        "run the stage afresh")  # fmt: skip
+    )
+    again = shlex.join(["python", "-m", "jaxrlhf.main", *command[3:], "--config.resume=true"])
+    assert line.endswith(f"continue it with `{again}`, or delete that folder to run the stage "
+                         "afresh")  # fmt: skip
     resumed, _ = run_recipe([*command, "--config.resume=true"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     statuses = [line.split(": ", 1)[1] for line in resumed.stdout.splitlines()[1:4]]
