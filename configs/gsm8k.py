@@ -2,8 +2,9 @@
 
 No reward model: the reward is 1 when the response's final number (`#### n`, else the last
 number) equals the answer. `configs/gsm8k.py:sft` fine-tunes a base model on the worked
-solutions first if you start from one (`--config.model.path=`); the default RLHF stage starts
-from the SFT-ed Rho-1B on the hub. Evaluation reports greedy pass@1 on the test split.
+solutions first if you start from one (`--config.model.path=`); the RLHF stage starts from the
+SFT-ed Rho-1B on the hub, so `configs/gsm8k.py` (the whole recipe) runs RLHF alone. Evaluation
+reports greedy pass@1 on the test split.
 
 Hardware (expected, not measured here): one 80 GB GPU for the 1B learner in fp32 plus one for the
 generator service. Paper settings: K = 4 samples per prompt, lr 3e-6, responses up to 512 tokens.

@@ -1,10 +1,11 @@
 """No Robots chat: Llama 3.1 8B SFT -> reward model -> async Online DPO (the paper's large run).
 
-Stages: `--config=configs/nobots.py:sft`, `:reward`, then `configs/nobots.py` (RLHF); see
-configs/_recipe.py. Data: `HuggingFaceH4/no_robots` for SFT and prompts. The hub has no
-preference pairs for it: the reward stage needs `--config.task.preference_source=PATH` (a file
-of `messages`/`prompt` + `chosen` + `rejected`, e.g. SFT samples labelled by a judge; see
-jaxrlhf.data.nobots). The paper used a judge for evaluation: pass a gold reward model with
+`--config=configs/nobots.py` runs SFT, the reward model, then RLHF, skipping finished stages;
+one stage alone: `:sft`, `:reward`, `:rlhf` (configs/_recipe.py, docs/recipes.md). Data:
+`HuggingFaceH4/no_robots` for SFT and prompts. The hub has no preference pairs for it: the
+reward stage needs `--config.task.preference_source=PATH` (a file of `messages`/`prompt` +
+`chosen` + `rejected`, e.g. SFT samples labelled by a judge; see jaxrlhf.data.nobots). The
+paper used a judge for evaluation: pass a gold reward model with
 `--config.eval.gold_reward_model=`.
 
 Hardware (expected, not measured here): Llama 3.1 8B in bf16 with FSDP over 8 x 80 GB GPUs for

@@ -1,9 +1,10 @@
 """TL;DR summarisation (the paper's main test bed): Pythia SFT -> reward model -> async Online DPO.
 
-Stages: `--config=configs/tldr.py:sft`, `:reward`, then `configs/tldr.py` (RLHF); see
-configs/_recipe.py. Data: the hub sets in jaxrlhf.data.tldr (or local copies via
-`--config.task.source=` / `--config.task.preference_source=`). Model size: Pythia 410M / 1B
-(default) / 2.8B via `--config.model.path=EleutherAI/pythia-2.8b-deduped` on the SFT stage.
+`--config=configs/tldr.py` runs SFT, the reward model, then RLHF, skipping finished stages;
+one stage alone: `:sft`, `:reward`, `:rlhf` (configs/_recipe.py, docs/recipes.md). Data: the
+hub sets in jaxrlhf.data.tldr (or local copies via `--config.task.source=` /
+`--config.task.preference_source=`). Model size: Pythia 410M / 1B (default) / 2.8B via
+`--config.model.path=EleutherAI/pythia-2.8b-deduped` (the first stage's model).
 
 Hardware (expected, not measured here): Pythia 1B on one 80 GB GPU for the learner in fp32 with
 remat (FSDP over more GPUs: `--config.mesh.shape=(1,-1,1)`) plus one GPU for the generator

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 from generator_service.auth import (
     AUTH_TOKEN_ENV,
@@ -17,6 +18,7 @@ from generator_service.auth import (
     server_credentials,
 )
 from generator_service.engine import GIB, EngineConfig
+from generator_service.model_check import ModelProblem, check_model
 from generator_service.server import EngineDiedError, ServerOptions, serve
 from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
 
@@ -30,6 +32,8 @@ KV_CACHE_ENV = "JAXRLHF_KV_CACHE_GIB"
 # The default of --engine-executor for every server started in this environment (the test suite
 # sets "uni": one process fewer per engine start).
 EXECUTOR_ENV = "JAXRLHF_ENGINE_EXECUTOR"
+# Set: a refused --model also prints the traceback behind it (as jaxrlhf's entry points do).
+TRACEBACK_ENV = "JAXRLHF_TRACEBACK"
 # What to change when the engine cannot start (out of memory is the usual cause).
 START_HINT = (
     "If memory ran short: on CPU pass a smaller --kv-cache-gib (default: a quarter of the free "
@@ -172,6 +176,13 @@ def stop_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:  # before anything starts (and before the test-fast refusal: it starts nothing)
+        check_model(args.model)
+    except ModelProblem as problem:
+        if os.environ.get(TRACEBACK_ENV) and problem.cause is not None:
+            traceback.print_exception(problem.cause, file=sys.stderr)
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if os.environ.get(NO_ENGINE_ENV):
         # Set by `make test-fast`: a test that starts a generator there lacks its engine fixture.
         print(f"error: {NO_ENGINE_ENV} is set: {os.environ[NO_ENGINE_ENV]}", file=sys.stderr)

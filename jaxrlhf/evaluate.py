@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jaxrlhf import prerequisites
 from jaxrlhf.config import checked, model_options, parse_flags
 from jaxrlhf.distributed import broadcast, driven_streams, is_driver, shard_global, to_host
 
@@ -239,11 +239,18 @@ def main(argv) -> None:
     if config is None or not _CHECKPOINT.value:
         raise app.UsageError("--config=configs/NAME.py and --checkpoint=DIR are required")
     checked(config)
+    recipe = prerequisites.recipe_of(
+        config, config_flags.get_config_filename(flags.FLAGS["config"])
+    )
+    found = prerequisites.problems(prerequisites.evaluate_needs(config), recipe=recipe)
     try:
         step_dir = find_step_dir(_CHECKPOINT.value, _STEP.value)
     except FileNotFoundError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        sys.exit(2)
+        stage = recipe.stage_of(_CHECKPOINT.value) if recipe else None
+        hint = f"; make it with `{recipe.command(stage)}`" if stage else ""
+        found.insert(0, prerequisites.Missing(f"--checkpoint={_CHECKPOINT.value}: {err}{hint}"))
+    if found:
+        prerequisites.refuse(found)
     out = (
         Path(_OUTPUT.value)
         if _OUTPUT.value

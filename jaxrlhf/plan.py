@@ -440,6 +440,9 @@ def main() -> None:
         if config is None:
             raise app.UsageError("--config=configs/NAME.py is required")
         checked(config)
+        found = plan_problems(config)
+        if found:
+            refuse(found)
         devices = devices_flag.value or config.hardware.devices
         memory_gib = memory_flag.value or config.hardware.device_memory_gib
         import jax
@@ -452,6 +455,7 @@ def main() -> None:
         print(json.dumps(result), flush=True)
 
     from jaxrlhf.config import checked, parse_flags
+    from jaxrlhf.prerequisites import plan_problems, refuse
 
     app.run(run, flags_parser=parse_flags)
 

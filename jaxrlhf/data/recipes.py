@@ -93,6 +93,12 @@ def _from_dataset(task, split: str, load, key):
 
 # The dataset modules, each with prompt_examples / sft_examples(source, split, limit).
 _DATASETS = {"tldr": tldr, "nobots": nobots, "gsm8k": gsm8k}
+# What `config.task.source` / `preference_source` = "" stand for (None: no hub default).
+DATASET_DEFAULTS = {
+    "tldr": {"source": tldr.DEFAULT_SOURCE, "preference_source": tldr.DEFAULT_PREFERENCE_SOURCE},
+    "nobots": {"source": nobots.DEFAULT_SOURCE, "preference_source": None},
+    "gsm8k": {"source": gsm8k.DEFAULT_SOURCE, "preference_source": None},
+}
 
 
 def _dataset_module(task):

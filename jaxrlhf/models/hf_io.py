@@ -40,6 +40,10 @@ TOKENIZER_FILES = (
 )
 
 
+# The files of a hub model that loading reads (what `resolve_model_path` downloads).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+
+
 def resolve_model_path(path_or_name: str | os.PathLike) -> Path:
     """A local folder as is; otherwise a hub name, fetched with huggingface_hub (needs network)."""
     path = Path(path_or_name)
@@ -49,8 +53,7 @@ def resolve_model_path(path_or_name: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"model folder {path} does not exist or is not a folder")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
-    return Path(snapshot_download(str(path_or_name), allow_patterns=patterns))
+    return Path(snapshot_download(str(path_or_name), allow_patterns=HUB_PATTERNS))
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
