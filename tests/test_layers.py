@@ -35,11 +35,11 @@ RANKS = {
     "jaxrlhf.rl": 6,
     "jaxrlhf.stages": 7,
     "jaxrlhf.prerequisites": 8,
-    "jaxrlhf.evaluate": 8,
-    "jaxrlhf.plan": 8,
-    "jaxrlhf.experiments": 8,
-    "jaxrlhf.main": 9,
-    "jaxrlhf": 10,  # the package's own __init__
+    "jaxrlhf.evaluate": 9,
+    "jaxrlhf.plan": 9,
+    "jaxrlhf.experiments": 9,
+    "jaxrlhf.main": 10,
+    "jaxrlhf": 11,  # the package's own __init__
 }
 
 
