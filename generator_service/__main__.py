@@ -174,61 +174,28 @@ def stop_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:  # before anything starts (and before the test-fast refusal: it starts nothing)
-        check_model(args.model)
-    except ModelProblem as problem:
-        if os.environ.get(TRACEBACK_ENV) and problem.cause is not None:
-            traceback.print_exception(problem.cause, file=sys.stderr)
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    if os.environ.get(NO_ENGINE_ENV):
-        # Set by `make test-fast`: a test that starts a generator there lacks its engine fixture.
-        print(f"error: {NO_ENGINE_ENV} is set: {os.environ[NO_ENGINE_ENV]}", file=sys.stderr)
-        return 3
+def option_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options that argparse cannot tell (None: nothing), checked
+    before anything starts; reads the KV cache size from the environment when not given."""
     if args.kv_cache_gib is None and os.environ.get(KV_CACHE_ENV):
         try:
             args.kv_cache_gib = float(os.environ[KV_CACHE_ENV])
         except ValueError:
-            print(f"error: {KV_CACHE_ENV}={os.environ[KV_CACHE_ENV]!r} is not a number of GiB",
-                  file=sys.stderr)  # fmt: skip
-            return 2
+            return f"{KV_CACHE_ENV}={os.environ[KV_CACHE_ENV]!r} is not a number of GiB"
     if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
-        print(f"error: a KV cache of {args.kv_cache_gib} GiB: it must be > 0", file=sys.stderr)
-        return 2
+        return f"a KV cache of {args.kv_cache_gib} GiB: it must be > 0"
     if args.stage_threads < 0:
-        print(f"error: --stage-threads={args.stage_threads}: must be >= 0", file=sys.stderr)
-        return 2
-    if args.cpu_reserved_cores is not None:
-        if args.cpu_reserved_cores < 0:
-            print(f"error: --cpu-reserved-cores={args.cpu_reserved_cores}: must be >= 0",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-        # Read by vLLM's CPU platform when its engine process binds its OpenMP threads.
-        os.environ[CPU_RESERVED_ENV] = str(args.cpu_reserved_cores)
-    if args.engine_executor == "uni":
-        if args.tensor_parallel_size != 1:
-            print(f"error: --engine-executor uni runs one worker, but --tensor-parallel-size="
-                  f"{args.tensor_parallel_size} needs one per device", file=sys.stderr)  # fmt: skip
-            return 2
-        # vLLM's CPU platform turns "uni" into "mp" unless its own engine process hosts the
-        # worker (AsyncLLM still runs the engine core in a process of its own).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    lead_process_group()
-    stop_with_parent()
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        auth_token = resolve_auth_token(args.host, args.auth_token)
-        tls = server_credentials(args.tls_cert, args.tls_key)
-    except (ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if tls is None and not is_loopback(args.host):
-        logging.warning("the auth token crosses the network in plaintext; consider --tls-cert")
-    engine_config = EngineConfig(
+        return f"--stage-threads={args.stage_threads}: must be >= 0"
+    if args.cpu_reserved_cores is not None and args.cpu_reserved_cores < 0:
+        return f"--cpu-reserved-cores={args.cpu_reserved_cores}: must be >= 0"
+    if args.engine_executor == "uni" and args.tensor_parallel_size != 1:
+        return (f"--engine-executor uni runs one worker, but --tensor-parallel-size="
+                f"{args.tensor_parallel_size} needs one per device")  # fmt: skip
+    return None
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -246,16 +213,59 @@ def main(argv: list[str] | None = None) -> int:
         stage=args.stage,
         stage_threads=args.stage_threads,
     )
-    options = ServerOptions(
-        host=args.host,
-        port=args.port,
-        auth_token=auth_token,
-        tls=tls,
-        shutdown_grace=args.shutdown_grace,
-        senders_timeout=args.senders_timeout,
+
+
+def refusal(args: argparse.Namespace) -> tuple[str, int] | None:
+    """(one line, exit code) when the server must not start: bad options or credentials (2),
+    a model that is not there (2), or `make test-fast`'s no-engine rule (3); else None.
+    Checked in that order: the options first, without touching the network."""
+    problem = option_error(args)
+    if problem is None:
+        try:
+            args.auth_token = resolve_auth_token(args.host, args.auth_token)
+            args.tls = server_credentials(args.tls_cert, args.tls_key)
+        except (ValueError, OSError) as error:
+            problem = str(error)
+    if problem is None:
+        try:
+            check_model(args.model)
+        except ModelProblem as model_problem:
+            if os.environ.get(TRACEBACK_ENV) and model_problem.cause is not None:
+                traceback.print_exception(model_problem.cause, file=sys.stderr)
+            problem = str(model_problem)
+    if problem is not None:
+        return f"error: {problem}", 2
+    if os.environ.get(NO_ENGINE_ENV):
+        # Set by `make test-fast`: a test that starts a generator there lacks its engine fixture.
+        return f"error: {NO_ENGINE_ENV} is set: {os.environ[NO_ENGINE_ENV]}", 3
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    refused = refusal(args)
+    if refused is not None:
+        print(refused[0], file=sys.stderr)
+        return refused[1]
+    if args.cpu_reserved_cores is not None:
+        # Read by vLLM's CPU platform when its engine process binds its OpenMP threads.
+        os.environ[CPU_RESERVED_ENV] = str(args.cpu_reserved_cores)
+    if args.engine_executor == "uni":
+        # vLLM's CPU platform turns "uni" into "mp" unless its own engine process hosts the
+        # worker (AsyncLLM still runs the engine core in a process of its own).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    lead_process_group()
+    stop_with_parent()
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.tls is None and not is_loopback(args.host):
+        logging.warning("the auth token crosses the network in plaintext; consider --tls-cert")
+    options = ServerOptions(host=args.host, port=args.port, auth_token=args.auth_token,
+                            tls=args.tls, shutdown_grace=args.shutdown_grace,
+                            senders_timeout=args.senders_timeout)  # fmt: skip
     try:
-        asyncio.run(serve(engine_config, options))
+        asyncio.run(serve(engine_config(args), options))
     except EngineDiedError as error:
         print(f"error: the generator service stopped: {error}", file=sys.stderr, flush=True)
         return 1
