@@ -38,7 +38,7 @@ import numpy as np
 from jaxrlhf.losses.common import masked_mean
 
 CORRECTIONS = ("none", "truncate", "mask", "sequence_mask")
-# The default range [low, high] of each masking correction (loss_params.is_low / is_high = 0).
+# The default range [low, high] of each masking correction (loss_params.is_low / is_high None).
 DEFAULT_RANGES = {"mask": (0.5, 2.0), "sequence_mask": (0.99, 1.01)}
 
 
@@ -68,10 +68,11 @@ def correction_kind(cfg) -> str:
     return "truncate" if kind == "none" and cfg.truncated_is_cap else kind
 
 
-def correction_range(kind: str, low: float, high: float) -> tuple[float, float]:
-    """[low, high] of a masking correction: the given bounds, each 0 replaced by its default."""
+def correction_range(kind: str, low: float | None, high: float | None) -> tuple[float, float]:
+    """[low, high] of a masking correction: the given bounds, each None replaced by its
+    default. low = 0 keeps every ratio below 1 and high = inf every ratio above it: no bound."""
     default_low, default_high = DEFAULT_RANGES[kind]
-    return (low or default_low, high or default_high)
+    return (default_low if low is None else low, default_high if high is None else high)
 
 
 def apply_correction(
@@ -81,8 +82,8 @@ def apply_correction(
     loss_mask: np.ndarray,
     per: str,
     cap: float = 0.0,
-    low: float = 0.0,
-    high: float = 0.0,
+    low: float | None = None,
+    high: float | None = None,
 ) -> Correction | None:
     """The correction `kind` (module docstring) of a batch; None for "none".
 

@@ -11,6 +11,7 @@ config checks) are at the end.
 """
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -470,8 +471,9 @@ def test_truncation_metrics_and_correction_defaults():
     close(correction.metrics["is_ratio_max"], ratio.max())
     assert apply_correction("none", inputs.old_logprobs, inputs.sampler_logprobs,
                             inputs.loss_mask, "token") is None  # fmt: skip
-    assert correction_range("mask", 0.0, 0.0) == (0.5, 2.0)
-    assert correction_range("sequence_mask", 0.0, 3.0) == (0.99, 3.0)
+    assert correction_range("mask", None, None) == (0.5, 2.0)  # None: the default
+    assert correction_range("sequence_mask", None, 3.0) == (0.99, 3.0)
+    assert correction_range("mask", 0.0, math.inf) == (0.0, math.inf)  # no bounds
     assert correction_kind(loss_params(truncated_is_cap=2.0)) == "truncate"  # the old setting
     assert correction_kind(loss_params(is_correction="mask")) == "mask"
 
@@ -541,3 +543,24 @@ def test_truncated_is_needs_the_learner_recompute():
 def test_truncated_is_needs_an_importance_ratio():
     with pytest.raises(ConfigError, match="loss 'online_dpo' has no importance ratio"):
         validate(rlhf_config("online_dpo", truncated_is_cap=2.0, old_logprobs="learner"))
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "kept"),
+    [
+        (None, None, [False, True, True, True, False]),  # the default [0.5, 2.0]
+        (0.0, None, [True, True, True, True, False]),  # no lower bound
+        (None, math.inf, [False, True, True, True, True]),  # no upper bound
+        (0.0, math.inf, [True, True, True, True, True]),  # neither: every token kept
+    ],
+)
+def test_a_mask_can_say_no_bound_and_keeps_its_default(low, high, kept):
+    """Ratios r_t = 0.1, 0.6, 1.0, 1.9, 8.0 by hand: None is the default range, 0 no lower and
+    inf no upper bound (loss_params.is_low / is_high)."""
+    from jaxrlhf.losses import apply_correction
+
+    ratios = np.array([[0.1, 0.6, 1.0, 1.9, 8.0]])
+    sampler = np.full_like(ratios, -1.0)
+    correction = apply_correction("mask", sampler + np.log(ratios), sampler,
+                                  np.ones_like(ratios), "token", low=low, high=high)  # fmt: skip
+    assert correction.loss_mask[0].astype(bool).tolist() == kept
