@@ -92,7 +92,7 @@ WORKLOADS = {
         # the run fail over to no replica and back, every few steps.
         "generator.generate_timeout_s": 600.0,
         # The sampler's log-probs under min_tokens are of a distribution with EOS masked out:
-        # the learner's own recompute gives the KL (rollout.min_response_tokens in config.py).
+        # the learner's own recompute gives the KL (rollout.min_response_tokens in config/keys.py).
         "loss_params.old_logprobs": "learner",
     },
 }

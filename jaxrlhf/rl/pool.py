@@ -21,7 +21,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,28 +28,20 @@ from typing import Any
 
 import grpc
 
+from jaxrlhf.rl.delivery import WeightDelivery
+from jaxrlhf.rl.failures import REPLICA_DOWN, GeneratorError, describe
 from jaxrlhf.rl.lifecycle import LIVE, REJOINING, Lifecycle, Replica
 from jaxrlhf.rl.rollout import Sample
 from jaxrlhf.rl.transport import (
     TRANSPORTS,
     PublishStats,
-    SharedFileTransport,
-    StreamTransport,
     WeightTransport,
-    WeightUpdate,
 )
-from jaxrlhf.rl.transport.senders import DriverSenders, SharedSenders
 from jaxrlhf.rpc import generator_pb2
 from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient
-from jaxrlhf_wire.hosts import is_local_target
 
 logger = logging.getLogger(__name__)
 
-# Ways a call ends that mean the replica is gone or hung (not that the request was wrong).
-REPLICA_DOWN = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
-})  # fmt: skip
 # gRPC backs off reconnecting to a dead server up to 2 minutes; a replica that comes back must
 # be seen within a probe or two.
 RECONNECT_OPTIONS = (
@@ -58,31 +49,6 @@ RECONNECT_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
-
-
-@dataclasses.dataclass
-class _Delivery:
-    """How one publish went so far: the replicas that took it, their answers, the failures by
-    replica, the attempts made."""
-
-    swapped: list[str] = dataclasses.field(default_factory=list)
-    responses: list[generator_pb2.UpdateWeightsResponse] = dataclasses.field(default_factory=list)
-    failures: dict[str, str] = dataclasses.field(default_factory=dict)
-    attempts: int = 0
-
-    def took(self, target: str, response: generator_pb2.UpdateWeightsResponse) -> None:
-        self.responses.append(response)
-        self.swapped.append(target)
-        self.failures.pop(target, None)
-
-
-class GeneratorError(RuntimeError):
-    """No replica could do the work, or one refused it as malformed; the message names each
-    replica and its gRPC status."""
-
-
-def describe(target: str, error: grpc.RpcError) -> str:
-    return f"generator {target}: {error.code().name}: {error.details()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +118,10 @@ class GeneratorPool:
             raise ValueError(f"replica capacity must be >= 0 (0 = the engine's), got {capacity}")
         self.capacity = capacity
         self.counters: collections.Counter[str] = collections.Counter()
-        self._transport: WeightTransport | None = None
         self._cond = threading.Condition()
         self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=4 * len(targets) + 4)
         self._closed = threading.Event()
+        self.delivery = WeightDelivery(self)
         self.lifecycle = Lifecycle(self.replicas, self._cond, self.counters, self._client,
                                    timeouts.status, probe_interval, restart, max_restarts,
                                    self.log)  # fmt: skip
@@ -445,201 +411,24 @@ class GeneratorPool:
         rejoining_only: bool = False,
         transport: WeightTransport | None = None,
     ) -> PublishStats:
-        """Sends `policy_version` to every live and rejoining replica (only the rejoining ones
-        with `rejoining_only`); returns once each has swapped or was marked failed.
+        """Sends `policy_version` to every live and rejoining replica (`WeightDelivery.publish`,
+        which says how)."""
+        return self.delivery.publish(tensor_stream, num_tensors, policy_version, allow_rollback,
+                                     specs, rejoining_only, transport)  # fmt: skip
 
-        `tensor_stream()` gives the tensors (called once per attempt of a streamed update).
-        `specs` ([(name, shape, dtype)] of the stream, in order) allows the same-host shared
-        file. `allow_rollback`: replicas accept a version not newer than theirs (resuming); a
-        rejoining replica always does (it takes the current weights whatever it served).
-        `transport`: this publish's, instead of the pool's (`sender_transport`).
-        Raises GeneratorError when no replica took it and none can come back (module
-        docstring), or one refused it as malformed."""
-        started = time.perf_counter()
-        targets = self._in(REJOINING) if rejoining_only else self._in(LIVE, REJOINING)
-        # A replica known to serve this very version needs nothing, except from a rollback
-        # to live replicas (there the number may name another run's weights).
-        already = [r for r in targets if r.version == policy_version
-                   and (rejoining_only or not allow_rollback)]  # fmt: skip
-        for replica in already:  # came back still serving this version: nothing to send
-            self._join(replica, policy_version)
-        update = WeightUpdate(policy_version, num_tensors, allow_rollback or rejoining_only)
-        pending = [r for r in targets if r not in already]
-        delivery = _Delivery(swapped=[r.target for r in already])
-        if pending:
-            self._deliver(pending, transport or self._transport_for(specs), tensor_stream,
-                          update, delivery)  # fmt: skip
-        if targets and not delivery.swapped and not rejoining_only:
-            self._none_took(policy_version, len(targets), delivery.failures)
-        responses = delivery.responses
-        return PublishStats(
-            policy_version=policy_version,
-            num_tensors=num_tensors,
-            num_bytes=max((int(r.num_bytes) for r in responses), default=0),
-            seconds=time.perf_counter() - started,
-            attempts=delivery.attempts,
-            pause_seconds=max((r.pause_seconds for r in responses), default=0.0),
-            stage_seconds=max((r.stage_seconds for r in responses), default=0.0),
-            swapped=tuple(delivery.swapped),
-            failed=tuple(delivery.failures),
-        )
-
-    def _deliver(self, pending: list[Replica], transport: WeightTransport, tensor_stream,
-                 update: WeightUpdate, delivery: _Delivery) -> None:  # fmt: skip
-        """Attempts of `update` to `pending` through `transport`, recorded in `delivery`:
-
-        - a replica that answers is live at the update's version;
-        - UNAVAILABLE may be a blip: the replica is sent the update once more (at most
-          `retries` times, with back-off), unless its status then shows it took the attempt
-          whose answer was lost (its GeneratorStatus.update_id is this update's);
-        - a retry refused by a replica that turns out to serve this very update (that status
-          again) counts as delivered: its first attempt was applied;
-        - any other refusal is a defect and raised (GeneratorError); any other failure
-          (replica down, hung, or a stalled update answered ABORTED) marks it failed, and its
-          lifecycle brings it back."""
-        delay = self.backoff_seconds
-        for attempt in range(1, self.retries + 2):
-            if attempt > 1:  # an attempt whose answer was lost may have been applied
-                pending = [r for r in pending if not self._took(r, update, delivery)]
-                if not pending:
-                    break
-            delivery.attempts = attempt
-            by_client = {r.client: r for r in pending}
-            outcomes = transport.send(list(by_client), tensor_stream, update,
-                                      self.timeouts.update)  # fmt: skip
-            pending = []
-            for client, outcome in outcomes.items():
-                replica = by_client[client]
-                if not isinstance(outcome, grpc.RpcError):
-                    delivery.took(replica.target, outcome)
-                    self._join(replica, update.policy_version)
-                elif (attempt > 1 and outcome.code() not in REPLICA_DOWN
-                      and self._took(replica, update, delivery)):  # fmt: skip
-                    pass  # a retry refused (not newer): the lost attempt was applied
-                elif outcome.code() not in REPLICA_DOWN:
-                    raise GeneratorError(f"weight update {update.policy_version} refused: "
-                                         + describe(replica.target, outcome))  # fmt: skip
-                else:
-                    delivery.failures[replica.target] = describe(replica.target, outcome)
-                    if outcome.code() == grpc.StatusCode.UNAVAILABLE:
-                        pending.append(replica)  # maybe a blip: once more
-                    else:
-                        self._fail(replica, delivery.failures[replica.target])
-            if not pending or attempt > self.retries:
-                break
-            with self._cond:
-                self.counters["publish_retries"] += len(pending)
-            again = ", ".join(r.target for r in pending)
-            self.log(f"weight update {update.policy_version} ended UNAVAILABLE at {again}: "
-                     "sending it once more")  # fmt: skip
-            time.sleep(delay)
-            delay = min(delay * 2, 30.0)
-        for replica in pending:
-            if not self._took(replica, update, delivery):
-                self._fail(replica, delivery.failures[replica.target])
-
-    def _took(self, replica: Replica, update: WeightUpdate, delivery: _Delivery) -> bool:
-        """Whether `replica` serves this very update (GeneratorStatus.update_id): an attempt
-        whose answer was lost was applied. If so it is live at the update's version, and its
-        answer (built from its status) is recorded in `delivery`."""
-        try:
-            status = replica.client.status(timeout=self.timeouts.status)
-        except grpc.RpcError:
-            return False
-        if not (status.serving and status.policy_version == update.policy_version
-                and status.update_id == update.update_id):  # fmt: skip
-            return False
-        self.log(f"generator {replica.target} already serves weight update "
-                 f"{update.policy_version} (an attempt whose answer was lost)")  # fmt: skip
-        delivery.took(replica.target, generator_pb2.UpdateWeightsResponse(
-            policy_version=update.policy_version, num_tensors=update.num_tensors,
-            pause_seconds=status.pause_seconds, stage_seconds=status.stage_seconds,
-        ))  # fmt: skip
-        self._join(replica, update.policy_version)
-        return True
-
-    def _none_took(self, policy_version: int, count: int, failures: dict[str, str]) -> None:
-        """A publish reached no replica: an error, unless one can come back (then it gets the
-        weights when it rejoins, within `no_replica_timeout` for `generate`)."""
-        message = (
-            f"weight update {policy_version} reached none of {count} generator(s): "
-            + "; ".join(failures.values())
-        )
-        if not self.lifecycle.may_come_back():
-            raise GeneratorError(message)
-        self.log(f"{message}; it goes to the first that rejoins")
+    def sender_transport(self, specs, num_senders: int, announce) -> WeightTransport:
+        """`WeightDelivery.sender_transport`."""
+        return self.delivery.sender_transport(specs, num_senders, announce)
 
     def _join(self, replica: Replica, version: int) -> None:
         self.lifecycle.join(replica, version)
-
-    def sender_transport(self, specs, num_senders: int, announce) -> WeightTransport:
-        """The driver's transport when the `num_senders` processes of a multi-process learner
-        each send their own slices (`jaxrlhf.rl.transport.senders`): streams, or writes into
-        the shared file, as the pool's transport goes; `announce` hands each attempt to the
-        other processes."""
-        transport = self._transport_for(specs)
-        if isinstance(transport, SharedFileTransport):
-            return SharedSenders(transport, announce)
-        return DriverSenders(self.chunk_bytes, num_senders, self._credentials, announce)
-
-    def _transport_for(self, specs) -> WeightTransport:
-        """The transport, decided at the first publish: the shared file when `transport` is
-        "shared", or "auto" and every replica runs on this host and shares one folder this
-        process can write to (a replica that does not answer leaves "auto" undecided: this
-        publish streams); else the stream."""
-        if self._transport is not None:
-            return self._transport
-        if self.transport_name == "stream":
-            self._transport = StreamTransport(self.chunk_bytes)
-            return self._transport
-        reason, decided = self._shared_unavailable()
-        if specs is None:
-            reason, decided = "the publish gave no tensor layout", False
-        if reason and self.transport_name == "shared":
-            raise GeneratorError(f"weight transport 'shared' is not possible: {reason}")
-        if reason:
-            transport = StreamTransport(self.chunk_bytes)
-            if decided:
-                self._transport = transport
-            return transport
-        statuses = [r.client.status(timeout=self.timeouts.status) for r in self.replicas]
-        # Written while the replicas stage it, when every one of them takes that.
-        progressive = all(status.shared_progress for status in statuses)
-        self._transport = SharedFileTransport(
-            statuses[0].shared_weights_dir, specs, progressive=progressive
-        )
-        return self._transport
-
-    def _shared_unavailable(self) -> tuple[str, bool]:
-        """(why the replicas cannot take shared-file updates from this process, or "";
-        whether that is settled rather than a replica not answering now)."""
-        remote = [r.target for r in self.replicas if not is_local_target(r.target)]
-        if remote:
-            return f"generators {', '.join(remote)} are not addressed on this host", True
-        try:
-            folders = {r.target: r.client.status(timeout=self.timeouts.status).shared_weights_dir
-                       for r in self.replicas}  # fmt: skip
-        except grpc.RpcError as error:
-            return f"a generator did not answer ({error.code().name})", False
-        if "" in folders.values():
-            return (
-                f"generators {[t for t, f in folders.items() if not f]} take no shared updates",
-                True,
-            )
-        if len(set(folders.values())) > 1:
-            return f"the generators map shared files from different folders: {folders}", True
-        folder = next(iter(folders.values()))
-        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            return f"the generators' shared folder {folder} is not writable here", True
-        return "", True
 
     def close(self) -> None:
         self._closed.set()
         with self._cond:
             self._cond.notify_all()
         self.lifecycle.close()
-        if self._transport is not None:
-            self._transport.close()
+        self.delivery.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
         for replica in self.replicas:
             replica.client.close()

@@ -36,16 +36,16 @@ from jaxrlhf.data.lengths import parse_length_law
 from jaxrlhf.distributed import broadcast, is_driver
 from jaxrlhf.models import save_pretrained
 from jaxrlhf.rl.continuous import ContinuousProducer
-from jaxrlhf.rl.eval_cache import EvaluationCache, folder_digest
+from jaxrlhf.rl.evaluator import Evaluator
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.metrics import MetricsWriter
 from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.publisher import Publisher
 from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer
+from jaxrlhf.rl.step_metrics import FleetWatch, samples_returned, staleness_metrics
 from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import make_mesh
 
-_SPLIT_NAMES = {"eval": "validation", "test": "test"}
 # The summary's means over the last steps of a run (`{key}_last5`).
 LAST_STEPS = 5
 SUMMARY_KEYS = ("reward_mean", "kl", "staleness_mean")
@@ -105,68 +105,6 @@ def prompts_for_batch_fn(
         return out
 
     return prompts_for_batch
-
-
-def greedy_sampling(max_tokens: int) -> dict[str, Any]:
-    """The sampling of every evaluation: one greedy response per prompt."""
-    return dict(n=1, temperature=0.0, max_tokens=max_tokens)
-
-
-def greedy_responses(
-    pool: GeneratorPool, prompts: list[PromptItem], max_tokens: int
-) -> list[tuple[int, ...]]:
-    """The greedy response to each prompt, in order, from the weights the generator serves now."""
-    samples = pool.generate([p.token_ids for p in prompts], greedy_sampling(max_tokens))
-    return [s.token_ids for s in samples]  # prompt-major, one per prompt
-
-
-def evaluate_greedy(
-    pool: GeneratorPool | None,
-    task: Task,
-    prompts: list[PromptItem],
-    max_tokens: int,
-    learner: Learner,
-    cache: EvaluationCache | None = None,
-    wait=None,
-) -> np.ndarray:
-    """Per-prompt scores (correctness for verifiable tasks, else reward-model reward) of greedy
-    responses to `prompts` with the weights the generator serves now (the driver generates, or
-    reads them from `cache`, which must describe those weights; every process scores: a reward
-    model runs on the whole mesh). `wait(generate)`: how every process waits for the driver's
-    `generate()` (None elsewhere) and gets its result; by default a plain call (the loop's,
-    `in_background`, rejoins replicas meanwhile)."""
-
-    def generate():
-        ids, sampling = [p.token_ids for p in prompts], greedy_sampling(max_tokens)
-        responses = cache.load(ids, sampling) if cache is not None else None
-        if responses is None:
-            responses = greedy_responses(pool, prompts, max_tokens)
-            if cache is not None:
-                cache.store(ids, sampling, responses, note=f"{task.name}: {len(ids)} prompts")
-        return responses
-
-    responses = (wait or call_on_driver)(generate if is_driver() else None)
-    return learner.score(task, prompts, responses)
-
-
-def call_on_driver(fn):
-    """fn() on the driver (None elsewhere), its result broadcast to every process."""
-    return broadcast(fn() if fn is not None else None)
-
-
-def start_evaluation_cache(pool: GeneratorPool, model_path: Path) -> EvaluationCache:
-    """The cache of the greedy responses of `model_path`'s own weights as the pool's generators
-    serve them (the driver's; only valid while they serve that folder's weights, version 0)."""
-    fields = ("vllm_version", "dtype", "max_model_len")
-    generators = sorted(
-        {tuple(str(getattr(s, f, "")) for f in fields) for s in pool.wait_until_serving()}
-    )
-    return EvaluationCache(folder_digest(model_path), {"generators": generators})
-
-
-def standard_error(scores: np.ndarray) -> float:
-    """Standard error of the mean of per-prompt scores (for 0/1 scores: sqrt(p(1 − p)/n))."""
-    return float(np.std(scores) / np.sqrt(len(scores))) if len(scores) else float("nan")
 
 
 @dataclasses.dataclass
@@ -243,65 +181,6 @@ def make_producer(cfg, task: Task, pool: GeneratorPool, start: RunStart, log=Non
         pending=start.pending,
         **extra,
     )  # fmt: skip
-
-
-class Evaluator:
-    """Greedy evaluations of the held-out splits (validation "eval", and "test" with
-    `eval.test`) on the weights the generators serve, rejoining replicas meanwhile; never
-    counted as a step (left out of the progress bar's rate and ETA)."""
-
-    def __init__(self, cfg, task: Task, publisher: Publisher, writer: MetricsWriter | None):
-        self.cfg, self.task, self.publisher, self.writer = cfg, task, publisher, writer
-        self.name = "accuracy" if task.verifiable else "reward"
-        self.splits = {"eval": task.eval_prompts}
-        if cfg.eval.test and task.test_prompts:
-            self.splits["test"] = task.test_prompts
-
-    def key(self, split: str) -> str:
-        """The metric's name: eval_accuracy (validation), test_accuracy (or _reward)."""
-        return f"{split}_{self.name}"
-
-    def scores(self, split: str, cache: EvaluationCache | None = None) -> np.ndarray:
-        with self.writer.paused() if self.writer is not None else contextlib.nullcontext():
-            return evaluate_greedy(self.publisher.pool, self.task, self.splits[split],
-                                   self.cfg.rollout.max_response_tokens, self.publisher.learner,
-                                   cache, self.publisher.in_background)  # fmt: skip
-
-    def before_training(self, model_path: Path | None, log) -> dict[str, float]:
-        """Every split's mean score; `model_path`: the generators serve its own weights, whose
-        responses may be cached (the driver's; None elsewhere)."""
-        cache = None
-        if model_path is not None:
-            cache = start_evaluation_cache(self.publisher.pool, model_path)
-        at_start = {}
-        for split in self.splits:
-            at_start[split] = float(np.mean(self.scores(split, cache)))
-            log(f"{_SPLIT_NAMES[split]} greedy {self.name} before training: "
-                f"{at_start[split]:.3f}")  # fmt: skip
-        if cache is not None and cache.hits:
-            log(f"(responses of the unchanged model to the unchanged prompts read from "
-                f"{cache.root}: delete it to generate them again)")  # fmt: skip
-        return at_start
-
-    def during(self, step: int) -> dict[str, float]:
-        """The evaluations due after `step` (`eval.every`, `eval.test_every`; the end of the
-        run is evaluated by `after_training`)."""
-        last = step == self.cfg.total_steps
-        out = {}
-        for split, every in (("eval", self.cfg.eval.every), ("test", self.cfg.eval.test_every)):
-            due = every and step % every == 0 and not (last and self.cfg.eval.at_end)
-            if due and split in self.splits:
-                out[self.key(split)] = float(np.mean(self.scores(split)))
-        return out
-
-    def after_training(self) -> dict[str, float]:
-        out = {}
-        for split in self.splits:
-            scores = self.scores(split)
-            out[f"{self.key(split)}_end"] = float(np.mean(scores))
-            out[f"{self.key(split)}_end_stderr"] = standard_error(scores)
-            out[f"{split}_prompts"] = len(scores)
-        return out
 
 
 def check_within_history(rollout: Rollout, learner_version: int) -> None:
@@ -437,80 +316,6 @@ def finish(cfg, learner, model_path, tail, summary, at_start, driver) -> dict[st
                                  write=driver)  # fmt: skip
         extra["export_dir"] = str(folder)
     return extra
-
-
-class FleetWatch:
-    """The generators' health and occupancy for each step's record, as changes since the end of
-    the previous step (or the start of the loop): whatever happens between two steps (an
-    evaluation, a checkpoint) counts in the next, and nothing is lost."""
-
-    COUNTERS = ("failures", "failovers", "restarts", "rejoins", "publish_retries")
-
-    def __init__(self, pool: GeneratorPool):
-        self.pool = pool
-        self._counts, self._busy = pool.metrics(), pool.occupancy()
-        self._at = time.perf_counter()
-
-    def step(self) -> dict[str, Any]:
-        counts, busy, now = self.pool.metrics(), self.pool.occupancy(), time.perf_counter()
-        record: dict[str, Any] = {"generators_live": counts["generators_live"]}
-        record |= {f"generator_{k}": counts[k] - self._counts[k] for k in self.COUNTERS}
-        record |= occupancy_metrics(self._busy, busy, now - self._at)
-        self._counts, self._busy, self._at = counts, busy, now
-        return record
-
-
-def occupancy_metrics(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """Between two `GeneratorPool.occupancy` readings, averaged over the replicas that answered
-    both times: generator_window_s, the seconds between the readings on each replica's own
-    clock (its uptime_seconds; the learner's `seconds` for a replica that does not report
-    it); generator_idle_s, the seconds of that window a replica generated nothing (no request,
-    or paused for a swap); generator_requests_mean, how many requests it was generating on
-    average; generator_occupancy, that mean ÷ its capacity (max_num_seqs), in [0, 1] (a
-    replica reporting no capacity, older than the field, is left out of it). Each replica's
-    figures are over its own clock's window, which its totals cover exactly: the learner's
-    interval between two answers differs from it by the answers' latencies."""
-    both = [target for target in after if target in before]
-    if not both or seconds <= 0:
-        return {}
-    windows = {t: (after[t][3] - before[t][3]) if after[t][3] > 0 else seconds for t in both}
-    both = [t for t in both if windows[t] > 0]
-    if not both:
-        return {}
-    idle = [after[t][0] - before[t][0] for t in both]
-    requests = {t: (after[t][1] - before[t][1]) / windows[t] for t in both}
-    out = {
-        "generator_window_s": float(np.mean([windows[t] for t in both])),
-        "generator_idle_s": float(np.mean(idle)),
-        "generator_requests_mean": float(np.mean(list(requests.values()))),
-    }
-    shares = [requests[t] / after[t][2] for t in both if after[t][2]]
-    if shares:
-        out["generator_occupancy"] = float(np.mean(shares))
-    return out
-
-
-def staleness_metrics(rollout: Rollout, learner_version: int) -> dict[str, float]:
-    """How many versions behind `learner_version` (the parameters the update starts from) the
-    batch was sampled: staleness_mean/max per sample (its oldest token, the first), and
-    token_staleness_mean/max over every response token. mixed_version_fraction: the share of
-    samples whose tokens come from more than one version (in-flight swaps)."""
-    samples = rollout.samples
-    oldest = learner_version - np.array([s.oldest_version for s in samples])
-    tokens = learner_version - np.concatenate([np.asarray(s.token_versions) for s in samples])
-    return {
-        "staleness_mean": float(oldest.mean()),
-        "staleness_max": int(oldest.max()),
-        "token_staleness_mean": float(tokens.mean()) if tokens.size else 0.0,
-        "token_staleness_max": int(tokens.max()) if tokens.size else 0,
-        "mixed_version_fraction": float(np.mean([len(set(s.token_versions)) > 1 for s in samples])),
-    }
-
-
-def samples_returned(rollout: Rollout) -> list[list]:
-    """[prompt id, sample index] of each sample, in the order the generators returned them:
-    what came back, to check against the schedule (`prompt_ids`) for a lost or doubled sample."""
-    return [[rollout.prompts[s.prompt_index].id, s.sample_index] for s in rollout.samples]
 
 
 def train_one_step(

@@ -276,8 +276,9 @@ def test_pool_picks_the_shared_file_for_a_local_server_and_streams_when_told(
             version = served.policy_version + 1
             pool.publish_weights(lambda n=new: iter(n.items()), len(new), version, specs=specs)
             served.record(version, new)
-            assert pool._transport.name == ("shared" if transport == "auto" else "stream")
-            shared_file = getattr(pool._transport, "_file", None)
+            chosen = pool.delivery._transport
+            assert chosen.name == ("shared" if transport == "auto" else "stream")
+            shared_file = getattr(chosen, "_file", None)
             shared_path = shared_file.path if shared_file is not None else None
         finally:
             pool.close()

@@ -77,7 +77,7 @@ def mixed_rollout() -> Rollout:
 
 
 def test_staleness_is_measured_per_sample_and_per_token():
-    from jaxrlhf.rl.trainer import staleness_metrics
+    from jaxrlhf.rl.step_metrics import staleness_metrics
 
     batch = mixed_rollout()
     assert [s.oldest_version for s in batch.samples] == [3, 4]
@@ -98,7 +98,7 @@ def test_staleness_is_measured_per_sample_and_per_token():
 
 
 def test_generator_occupancy_is_request_seconds_over_capacity_by_hand():
-    from jaxrlhf.rl.trainer import occupancy_metrics
+    from jaxrlhf.rl.step_metrics import occupancy_metrics
 
     # The learner saw 10.2 s between the readings (its answers' latencies differ); each
     # replica's own clock: A (capacity 8) 10 s, idle 2 s, 40 request-seconds (4 at a time:

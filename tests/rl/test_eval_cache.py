@@ -12,9 +12,10 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from jaxrlhf.rl.eval_cache import EvaluationCache, folder_digest
+from jaxrlhf.rl.evaluator import evaluate_greedy, greedy_sampling, start_evaluation_cache
 from jaxrlhf.rl.metrics import MetricsWriter
 from jaxrlhf.rl.pool import GeneratorPool
-from jaxrlhf.rl.trainer import evaluate_greedy, greedy_sampling, run_rlhf, start_evaluation_cache
+from jaxrlhf.rl.trainer import run_rlhf
 from tests.rl.jax_generator import JaxGenerator
 from tests.rl.test_learning import learning_config, target_task
 

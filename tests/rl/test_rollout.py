@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer, Sample
-from jaxrlhf.rl.trainer import samples_returned
+from jaxrlhf.rl.step_metrics import samples_returned
 
 N = 2  # samples per prompt
 WAIT_S = 30.0  # far above what any call here takes; a call still waiting then is stuck
