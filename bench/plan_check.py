@@ -6,7 +6,7 @@
 1. The plan: `python -m jaxrlhf.plan` (a subprocess, on fake CPU devices) for the same config
    and device count gives its per-device peak and the peak program.
 2. The run, on this machine's devices: the stage's programs exactly as the plan builds them
-   (`jaxrlhf.plan.stage_programs`: the train step with the config's micro-batches, chunked
+   (`jaxrlhf.stage_programs.stage_programs`: the train step with the config's micro-batches, chunked
    log-probs and mixed precision; for RLHF the reference forward and the reward model's
    scoring), on random weights of the config's architectures (nothing is downloaded) and a
    synthetic batch of the config's full shapes: `--steps` train steps, then each forward once.
@@ -98,8 +98,8 @@ def main() -> None:
     args = parser.parse_args()
     import jax
 
-    from jaxrlhf.plan import stage_programs
     from jaxrlhf.sharding import make_mesh
+    from jaxrlhf.stage_programs import stage_programs
 
     config = load_stage_config(args.config)
     devices = min(args.devices or config.hardware.devices, len(jax.devices()))

@@ -155,12 +155,11 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
     import transformers
 
     from jaxrlhf.data import recipes
-    from jaxrlhf.models import load_pretrained, save_pretrained
+    from jaxrlhf.models import load_pretrained
     from jaxrlhf.models.paths import resolve_model
     from jaxrlhf.report import build_report, write_report
     from jaxrlhf.rl.tasks import tokenize_prompts
     from jaxrlhf.sharding import make_mesh
-    from jaxrlhf.stages.rlhf import generator_pool
 
     out_dir.mkdir(parents=True, exist_ok=True)
     config = config.copy_and_resolve_references()
@@ -177,28 +176,7 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
     items = tokenize_prompts(tokenizer, prompts, config.rollout.max_prompt_tokens, split)
     max_tokens = config.eval.max_tokens or config.rollout.max_response_tokens
     driver = is_driver()  # over several processes: the one that talks to the generators
-    with tempfile.TemporaryDirectory(prefix="jaxrlhf-eval-") as tmp:
-        folder = save_pretrained(model, params, Path(tmp) / "policy", tokenizer_from=base,
-                                 write=driver)  # fmt: skip
-        pools = generator_pool(config, folder, log) if driver else contextlib.nullcontext()
-        with pools as pool:
-            if config.generator.addresses:  # a running service: serve these weights on it
-                from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors
-
-                version = None
-                if driver:
-                    version = max(s.policy_version for s in pool.wait_until_serving()) + 1
-                version, specs = broadcast(version), hf_tensor_specs(model, params)
-                driven_streams(
-                    lambda: iter_hf_tensors(model, params),
-                    lambda tensors: pool.publish_weights(tensors, len(specs), version,
-                                                         specs=specs),
-                )  # fmt: skip
-            samples = None
-            if driver:
-                greedy = dict(n=1, temperature=0.0, max_tokens=max_tokens)
-                samples = pool.generate([p.token_ids for p in items], greedy)
-            samples = broadcast(samples)
+    samples = greedy_samples(config, model, params, base, items, max_tokens, log)
     samples = sorted(samples, key=lambda s: s.prompt_index)
     texts = [tokenizer.decode(list(s.token_ids), skip_special_tokens=True) for s in samples]
     lengths = [len(s.token_ids) for s in samples]
@@ -230,6 +208,36 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
         paths = write_report(report, rows, out_dir)
         log(f"report: {paths['report']} (plot {paths['plot']})")
     return report
+
+
+def greedy_samples(config, model, params, base: Path, items, max_tokens: int, log) -> list:
+    """The greedy response of `params` to each of `items`, from a generator started for them
+    (or the running one at `generator.addresses`, sent these weights as its next version);
+    the driver generates, every process gets the samples."""
+    from jaxrlhf.models import hf_tensor_specs, iter_hf_tensors, save_pretrained
+    from jaxrlhf.stages.rlhf import generator_pool
+
+    driver = is_driver()
+    with tempfile.TemporaryDirectory(prefix="jaxrlhf-eval-") as tmp:
+        folder = save_pretrained(model, params, Path(tmp) / "policy", tokenizer_from=base,
+                                 write=driver)  # fmt: skip
+        pools = generator_pool(config, folder, log) if driver else contextlib.nullcontext()
+        with pools as pool:
+            if config.generator.addresses:  # a running service: serve these weights on it
+                version = None
+                if driver:
+                    version = max(s.policy_version for s in pool.wait_until_serving()) + 1
+                version, specs = broadcast(version), hf_tensor_specs(model, params)
+
+                def publish(tensors):
+                    return pool.publish_weights(tensors, len(specs), version, specs=specs)
+
+                driven_streams(lambda: iter_hf_tensors(model, params), publish)
+            samples = None
+            if driver:
+                greedy = dict(n=1, temperature=0.0, max_tokens=max_tokens)
+                samples = pool.generate([p.token_ids for p in items], greedy)
+            return broadcast(samples)
 
 
 def main(argv) -> None:

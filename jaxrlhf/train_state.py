@@ -177,22 +177,42 @@ def build_train_step(
     the step), at the cost of both copies during the step, as a copy taken before it would.
 
     With `micro_batches` > 1 the batch is split (`split_micro_batches`) and the gradients are
-    accumulated over the parts in a `lax.scan`, then one optimizer step is taken: the step of
-    the whole batch. A loss that is a mean over some unit of the batch (tokens, pairs, rows:
-    `weight_fn(part)` counts them, default rows) is a mean over the whole batch, not a mean of
-    per-part means: part m's loss and gradient are weighted by its share w_m / Σ w. Metrics
-    are weighted the same way, or by their own count where the loss reports one as
-    `weight/<name>` (maxima, counts and root mean squares `_rms` excepted), so each equals
-    its whole-batch value; the `weight/*` entries are not returned.
+    accumulated over the parts (`accumulated_gradients`), then one optimizer step is taken: the
+    step of the whole batch.
     """
     batch_spec = {
         name: batch_sharding(mesh, len(shape), shape[0]) for name, shape in batch_shapes.items()
     }
-    replicated = NamedSharding(mesh, PartitionSpec())
 
     def gradients(params, batch):
         with activate(mesh, rules):
             return jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+
+    accumulate = accumulated_gradients(gradients, weight_fn, micro_batches)
+
+    def step(state: TrainState, batch: dict[str, jax.Array]):
+        if micro_batches > 1:
+            loss, metrics, grads = accumulate(state.params, batch)
+        else:
+            (loss, metrics), grads = gradients(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(_reported(metrics), loss=loss, grad_norm=optax.tree.norm(grads))
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return _jit_step(step, shardings, batch_spec, NamedSharding(mesh, PartitionSpec()),
+                     keep_params)  # fmt: skip
+
+
+def accumulated_gradients(gradients, weight_fn, micro_batches: int):
+    """(params, batch) -> (loss, metrics, grads) of the whole batch from `micro_batches` parts
+    in a `lax.scan` (`gradients(params, part)` is `value_and_grad` of the loss with its
+    metrics). A loss that is a mean over some unit of the batch (tokens, pairs, rows:
+    `weight_fn(part)` counts them, default rows) is a mean over the whole batch, not a mean of
+    per-part means: part m's loss and gradient are weighted by its share w_m / Σ w. Metrics
+    are weighted the same way, or by their own count where the loss reports one as
+    `weight/<name>` (maxima, counts and root mean squares `_rms` excepted), so each equals
+    its whole-batch value; the `weight/*` entries are not returned."""
 
     def weight_of(part):
         if weight_fn is not None:
@@ -235,16 +255,11 @@ def build_train_step(
         metrics = {k: _finish_metric(k, v, metric_weights[k]) for k, v in metric_sums.items()}
         return loss_sum * scale, metrics, grads
 
-    def step(state: TrainState, batch: dict[str, jax.Array]):
-        if micro_batches > 1:
-            loss, metrics, grads = accumulate(state.params, batch)
-        else:
-            (loss, metrics), grads = gradients(state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = dict(_reported(metrics), loss=loss, grad_norm=optax.tree.norm(grads))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return accumulate
 
+
+def _jit_step(step, shardings: TrainState, batch_spec, replicated, keep_params: bool):
+    """`step` jitted with the state donated, or (`keep_params`) all of it but the parameters."""
     if not keep_params:
         return jax.jit(
             step,

@@ -35,6 +35,7 @@ RANKS = {
     "jaxrlhf.rl": 6,
     "jaxrlhf.stages": 7,
     "jaxrlhf.prerequisites": 8,
+    "jaxrlhf.stage_programs": 8,
     "jaxrlhf.evaluate": 9,
     "jaxrlhf.plan": 9,
     "jaxrlhf.experiments": 9,

@@ -124,28 +124,9 @@ def train_supervised(
     if eval_start is None:
         eval_start = evaluate(eval_fn, state.params, held_out, eval_rows, mesh)
         log(f"mesh {dict(mesh.shape)}; held-out before training: {_fmt(eval_start)}")
-    num_rows = len(next(iter(train.values())))
-    # One process writes the metrics (the others discard theirs: the same figures).
-    metrics_path = out / "metrics.jsonl" if is_driver() else Path(os.devnull)
-    if start_step and is_driver():
-        keep_logged_steps(metrics_path, start_step)
     try:
-        with open(metrics_path, "a" if start_step else "w") as metrics_file:
-            for step in range(start_step, config.total_steps):
-                rows = batch_rows(num_rows, bs, step, config.seed)
-                batch = shard_global({k: v[rows] for k, v in train.items()}, mesh)
-                t0 = time.time()
-                state, metrics = step_fn(state, batch)
-                metrics = {k: float(to_host(v)) for k, v in metrics.items()}
-                record = {"step": step + 1, **metrics, "step_seconds": time.time() - t0}
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                if (step + 1) % config.train.log_every == 0:
-                    log(f"step {step + 1}/{config.total_steps} {_fmt(metrics)}")
-                last = step + 1 == config.total_steps
-                if last or checkpointer.due(step + 1):
-                    meta = {"step": step + 1, "eval_start": eval_start, "seed": config.seed}
-                    checkpointer.save(step + 1, state, meta, force=True)
+        state = _train_steps(config, state, step_fn, train, mesh, checkpointer, start_step,
+                             eval_start, log)  # fmt: skip
     finally:
         checkpointer.close()
     eval_end = evaluate(eval_fn, state.params, held_out, eval_rows, mesh)
@@ -157,6 +138,35 @@ def train_supervised(
         **{f"eval_{k}_end": v for k, v in eval_end.items()},
     }
     return state, summary
+
+
+def _train_steps(config, state, step_fn, train: Arrays, mesh, checkpointer, start_step: int,
+                 eval_start: dict, log):  # fmt: skip
+    """Steps `start_step` .. total_steps of `step_fn` on `train`'s seeded batches, each step's
+    figures a line of metrics.jsonl (the driver's), checkpoints when due and at the end."""
+    out = Path(config.output_dir)
+    bs, num_rows = config.train.batch_size, len(next(iter(train.values())))
+    # One process writes the metrics (the others discard theirs: the same figures).
+    metrics_path = out / "metrics.jsonl" if is_driver() else Path(os.devnull)
+    if start_step and is_driver():
+        keep_logged_steps(metrics_path, start_step)
+    with open(metrics_path, "a" if start_step else "w") as metrics_file:
+        for step in range(start_step, config.total_steps):
+            rows = batch_rows(num_rows, bs, step, config.seed)
+            batch = shard_global({k: v[rows] for k, v in train.items()}, mesh)
+            t0 = time.time()
+            state, metrics = step_fn(state, batch)
+            metrics = {k: float(to_host(v)) for k, v in metrics.items()}
+            record = {"step": step + 1, **metrics, "step_seconds": time.time() - t0}
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if (step + 1) % config.train.log_every == 0:
+                log(f"step {step + 1}/{config.total_steps} {_fmt(metrics)}")
+            last = step + 1 == config.total_steps
+            if last or checkpointer.due(step + 1):
+                meta = {"step": step + 1, "eval_start": eval_start, "seed": config.seed}
+                checkpointer.save(step + 1, state, meta, force=True)
+    return state
 
 
 def keep_logged_steps(metrics_path: Path, last_step: int) -> None:
