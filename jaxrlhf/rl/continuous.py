@@ -49,7 +49,14 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxrlhf.rl.pool import GeneratorError, GeneratorPool
-from jaxrlhf.rl.rollout import ProducerBase, PromptItem, Rollout, Sample
+from jaxrlhf.rl.rollout import (
+    ProducerBase,
+    PromptItem,
+    Rollout,
+    Sample,
+    StaleSampleError,
+    check_within_bound,
+)
 
 
 @dataclasses.dataclass
@@ -222,11 +229,10 @@ class ContinuousProducer(ProducerBase):
                 self._cond.notify_all()
             self._log(f"prompt {prompt} of batch {index} is started again ({error})")
             return
-        stale = [s.oldest_version for s in samples if s.oldest_version < batch.required]
-        if stale:
-            self._fail(RuntimeError(
-                f"batch {index} needs policy version >= {batch.required} but the generator "
-                f"answered with tokens of version {min(stale)}"))  # fmt: skip
+        try:
+            check_within_bound(index, batch.required, samples)
+        except StaleSampleError as stale:
+            self._fail(stale)
             return
         with self._cond:
             batch.add(prompt, samples)

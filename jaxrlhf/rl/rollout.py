@@ -270,18 +270,33 @@ class RolloutProducer(ProducerBase):
                 )
                 elapsed = time.perf_counter() - started
                 check_complete(index, samples, len(prompts), sampling.get("n", 1))
-                stale = [s.oldest_version for s in samples if s.oldest_version < required]
-                if stale:
-                    raise RuntimeError(
-                        f"batch {index} needs policy version >= {required} but the generator "
-                        f"answered with tokens of version {min(stale)}"
-                    )
+                check_within_bound(index, required, samples)
                 with self._cond:
                     self._ready.append(Rollout(index, prompts, samples, required, elapsed))
                     self._next_batch += 1
                     self._cond.notify_all()
         except BaseException as error:  # noqa: BLE001 - handed to the learner thread
             self._fail(error)
+
+
+def check_within_bound(index: int, required: int, samples: Sequence[Sample]) -> None:
+    """Raises StaleSampleError if a sample of batch `index` starts at a version older than the
+    batch's bound `required`: the pool gives a batch only to replicas it knows serve at least
+    that, so a replica serves older weights than it reported (replaced at its address, rolled
+    back by another learner): a fault of the fleet the run does not train through."""
+    stale = [s.oldest_version for s in samples if s.oldest_version < required]
+    if stale:
+        raise StaleSampleError(
+            f"batch {index} needs policy version >= {required} but the generator answered with "
+            f"tokens of version {min(stale)}: a replica serves older weights than it reported "
+            "(replaced at its address, or rolled back by another run?). The run stops rather "
+            "than train on them; once every replica serves this run's weights (or none is "
+            "shared with another run), resume from the last checkpoint: --config.resume=true"
+        )
+
+
+class StaleSampleError(RuntimeError):
+    """A sample older than its batch's staleness bound (`check_within_bound`)."""
 
 
 def check_complete(index: int, samples: Sequence[Sample], prompts: int, n: int) -> None:

@@ -171,9 +171,12 @@ def test_a_sample_older_than_its_bound_is_refused():
     try:
         producer.weights_served(1)
         with pytest.raises(RuntimeError, match=r"batch 1 needs policy version >= 1 but the "
-                           r"generator answered with tokens of version 0"):  # fmt: skip
+                           r"generator answered with tokens of version 0") as caught:  # fmt: skip
             for _ in range(3):
                 producer.next(WAIT_S)
+        # What happened and how to go on: the run stops, and resumes from its last checkpoint.
+        assert "older weights than it reported" in str(caught.value.__cause__)
+        assert "--config.resume=true" in str(caught.value.__cause__)
     finally:
         producer.close()
         pool.close()
