@@ -21,7 +21,13 @@ labelled by a gold reward model or a judge) from a local file or folder with col
 from __future__ import annotations
 
 from jaxrlhf.data.sources import SplitNotFoundError, first_rows, load_split, require_columns
-from jaxrlhf.data.types import Message, PreferencePair, PromptExample, SFTExample
+from jaxrlhf.data.types import (
+    Message,
+    PreferencePair,
+    PromptExample,
+    SFTExample,
+    sft_from_references,
+)
 
 DEFAULT_SOURCE = "HuggingFaceH4/no_robots"
 # No preference set exists on the hub: pass a local file in the layout described above.
@@ -33,9 +39,7 @@ _OLD_SPLIT_NAMES = {"train": "train_sft", "test": "test_sft"}
 def sft_examples(
     source: str = DEFAULT_SOURCE, split: str = "train", limit: int | None = None
 ) -> list[SFTExample]:
-    return [
-        SFTExample(prompt, prompt.reference) for prompt in prompt_examples(source, split, limit)
-    ]
+    return sft_from_references(prompt_examples(source, split, limit))
 
 
 def prompt_examples(

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxrlhf.data.sources import first_rows, load_split, require_columns
-from jaxrlhf.data.types import PreferencePair, PromptExample, SFTExample
+from jaxrlhf.data.types import PreferencePair, PromptExample, SFTExample, sft_from_references
 
 DEFAULT_SOURCE = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
 DEFAULT_PREFERENCE_SOURCE = "vwxyzjn/summarize_from_feedback_oai_preprocessing_1706381144"
@@ -71,9 +71,7 @@ def as_response(summary: str) -> str:
 def sft_examples(
     source: str = DEFAULT_SOURCE, split: str = "train", limit: int | None = None
 ) -> list[SFTExample]:
-    return [
-        SFTExample(prompt, prompt.reference) for prompt in prompt_examples(source, split, limit)
-    ]
+    return sft_from_references(prompt_examples(source, split, limit))
 
 
 def prompt_examples(

@@ -9,6 +9,7 @@ own tokenizer's EOS.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -58,3 +59,9 @@ class PreferencePair:
     prompt: PromptExample
     chosen: str
     rejected: str
+
+
+def sft_from_references(prompts: Iterable[PromptExample]) -> list[SFTExample]:
+    """The SFT examples of a dataset whose prompts carry reference responses (TL;DR, No
+    Robots): each prompt with its reference as the response to learn."""
+    return [SFTExample(prompt, prompt.reference) for prompt in prompts]

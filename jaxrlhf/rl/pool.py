@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -34,8 +34,6 @@ from jaxrlhf.rl.lifecycle import LIVE, REJOINING, Lifecycle, Replica
 from jaxrlhf.rl.rollout import Sample
 from jaxrlhf.rl.transport import (
     TRANSPORTS,
-    PublishStats,
-    WeightTransport,
 )
 from jaxrlhf.rpc import generator_pb2
 from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient
@@ -122,6 +120,9 @@ class GeneratorPool:
         self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=4 * len(targets) + 4)
         self._closed = threading.Event()
         self.delivery = WeightDelivery(self)
+        # Publishing is the delivery's (`WeightDelivery.publish`, `.sender_transport`).
+        self.publish_weights = self.delivery.publish
+        self.sender_transport = self.delivery.sender_transport
         self.lifecycle = Lifecycle(self.replicas, self._cond, self.counters, self._client,
                                    timeouts.status, probe_interval, restart, max_restarts,
                                    self.log)  # fmt: skip
@@ -400,25 +401,6 @@ class GeneratorPool:
         return samples, None
 
     # --- weights -----------------------------------------------------------------------------
-
-    def publish_weights(
-        self,
-        tensor_stream: Callable[[], Iterator[tuple[str, Any]]] | None,
-        num_tensors: int,
-        policy_version: int,
-        allow_rollback: bool = False,
-        specs: Sequence[tuple[str, tuple[int, ...], Any]] | None = None,
-        rejoining_only: bool = False,
-        transport: WeightTransport | None = None,
-    ) -> PublishStats:
-        """Sends `policy_version` to every live and rejoining replica (`WeightDelivery.publish`,
-        which says how)."""
-        return self.delivery.publish(tensor_stream, num_tensors, policy_version, allow_rollback,
-                                     specs, rejoining_only, transport)  # fmt: skip
-
-    def sender_transport(self, specs, num_senders: int, announce) -> WeightTransport:
-        """`WeightDelivery.sender_transport`."""
-        return self.delivery.sender_transport(specs, num_senders, announce)
 
     def _join(self, replica: Replica, version: int) -> None:
         self.lifecycle.join(replica, version)
