@@ -73,16 +73,17 @@ from pathlib import Path
 from typing import Any
 
 from jaxrlhf.experiments import (
+    add_timed_run_arguments,
     config_file_for,
     load_config,
     log_tail,
     main_command,
+    parse_timed_run_args,
     placement_overrides,
     read_run,
     run_main,
     timed_run_overrides,
 )
-from jaxrlhf.experiments.runner import parse_passthrough
 
 MODES = {"sync": 0, "async": 1}  # mode -> max_staleness
 TARGET_EFFICIENCY = 0.9
@@ -292,21 +293,12 @@ def run_overrides(args, mode: str, out: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a model folder")
-    parser.add_argument("--steps", type=int, default=10, help="updates per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out")
+    add_timed_run_arguments(parser, model="smollm2", out="runs/async_speedup")
     parser.add_argument("--last", type=int, default=5, help="steps averaged for the reward")
-    parser.add_argument("--cpus-generator", default="1")
-    parser.add_argument("--cpus-learner", default="0")
     parser.add_argument("--prompts-per-batch", type=int)
     parser.add_argument("--samples-per-prompt", type=int)
     parser.add_argument("--max-response-tokens", type=int)
-    parser.add_argument("--out", default="runs/async_speedup", help="folder for both runs")
-    parser.add_argument(
-        "--analyze-only", action="store_true", help="recompute from the runs already in --out"
-    )
-    args, extra = parser.parse_known_args()
-    passthrough = parse_passthrough(parser, extra)
+    args, passthrough, _ = parse_timed_run_args(parser)
     if not (args.cpus_generator and args.cpus_learner) or set(args.cpus_generator.split(",")) & set(
         args.cpus_learner.split(",")
     ):

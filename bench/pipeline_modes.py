@@ -67,13 +67,14 @@ from pathlib import Path
 from typing import Any
 
 from jaxrlhf.experiments import (
+    add_timed_run_arguments,
     config_file_for,
+    parse_timed_run_args,
     placement_overrides,
     read_run,
     timed_run_overrides,
 )
-from jaxrlhf.experiments.runner import parse_passthrough
-from jaxrlhf.experiments.services import parse_generators, run_side_by_side
+from jaxrlhf.experiments.services import run_side_by_side
 from jaxrlhf.experiments.stats import mean_stderr
 
 MODES = {  # name -> overrides
@@ -200,29 +201,14 @@ def overrides_for(args, mode: str, folder: Path, workload: dict[str, Any]) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="long-tail", choices=list(WORKLOADS))
-    parser.add_argument("--model", default="", help="tiny, smollm2 or a folder (default: the "
-                        "workload's)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=10, help="updates per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out")
+    add_timed_run_arguments(parser, model="", out="runs/pipeline_modes", generators=True)
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (the order of "
                         "the modes rotates from one repeat to the next)")  # fmt: skip
     parser.add_argument("--max-staleness", type=int, default=1, help="of the asynchronous "
                         "modes (sync: 0)")  # fmt: skip
     parser.add_argument("--modes", default=",".join(MODES), help="sync first, then any of the "
                         "others")  # fmt: skip
-    parser.add_argument("--cpus-generator", default="1")
-    parser.add_argument("--cpus-learner", default="0")
-    parser.add_argument("--generators", default="", help="SETTING=HOST:PORT,...: run the "
-                        "runs of a swap setting (drain, in-flight-keep, in-flight-recompute) "
-                        "against a running service (default: start one per setting)")  # fmt: skip
-    parser.add_argument("--out", default="runs/pipeline_modes", help="folder for the runs")
-    parser.add_argument("--analyze-only", action="store_true")
-    args, extra = parser.parse_known_args()
-    passthrough = parse_passthrough(parser, extra)
-    try:
-        given = parse_generators(args.generators)
-    except ValueError as error:
-        parser.error(str(error))
+    args, passthrough, given = parse_timed_run_args(parser)
     model, workload = WORKLOADS[args.workload]
     args.model = args.model or model
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -46,13 +46,14 @@ from pathlib import Path
 from typing import Any
 
 from jaxrlhf.experiments import (
+    add_timed_run_arguments,
     config_file_for,
+    parse_timed_run_args,
     placement_overrides,
     read_run,
     timed_run_overrides,
 )
-from jaxrlhf.experiments.runner import parse_passthrough
-from jaxrlhf.experiments.services import SWAP_SETTINGS, parse_generators, run_side_by_side
+from jaxrlhf.experiments.services import SWAP_SETTINGS, run_side_by_side
 
 # name -> (generator.swap_mode, generator.in_flight_kv, generator.stage)
 VARIANTS = {
@@ -164,9 +165,7 @@ def overrides_for(args, variant: str, folder: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny", help="tiny, smollm2, or a model folder")
-    parser.add_argument("--steps", type=int, default=10, help="updates per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out")
+    add_timed_run_arguments(parser, model="tiny", out="runs/swap_modes", generators=True)
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode")
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--max-response-tokens", type=int, default=96)
@@ -174,19 +173,7 @@ def main() -> None:
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"among {', '.join(VARIANTS)}; drain first"
     )
-    parser.add_argument("--cpus-generator", default="1")
-    parser.add_argument("--cpus-learner", default="0")
-    parser.add_argument("--generators", default="", help="SETTING=HOST:PORT,...: run the "
-                        "runs of a swap setting (drain, in-flight-keep, in-flight-recompute) "
-                        "against a running service (default: start one per setting)")  # fmt: skip
-    parser.add_argument("--out", default="runs/swap_modes", help="folder for the runs")
-    parser.add_argument("--analyze-only", action="store_true")
-    args, extra = parser.parse_known_args()
-    passthrough = parse_passthrough(parser, extra)
-    try:
-        given = parse_generators(args.generators)
-    except ValueError as error:
-        parser.error(str(error))
+    args, passthrough, given = parse_timed_run_args(parser)
     out = Path(args.out).resolve()
     config_file = config_file_for(args.model)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
