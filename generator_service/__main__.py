@@ -17,7 +17,7 @@ from generator_service.auth import (
     resolve_auth_token,
     server_credentials,
 )
-from generator_service.engine import GIB, EngineConfig
+from generator_service.engine_config import GIB, EngineConfig
 from generator_service.model_check import ModelProblem, check_model
 from generator_service.server import EngineDiedError, ServerOptions, serve
 from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES

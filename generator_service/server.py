@@ -26,15 +26,13 @@ from grpc_reflection.v1alpha import reflection
 
 from generator_service import failpoints
 from generator_service.auth import TokenAuthInterceptor
-from generator_service.engine import (
-    EngineConfig,
-    GeneratorEngine,
-    SwapTimes,
-    finish_despite_cancellation,
-)
+from generator_service.engine import GeneratorEngine
+from generator_service.engine_config import EngineConfig
 from generator_service.feeder import StageFeeder, write_and_feed
 from generator_service.memory import keep_freed_memory
 from generator_service.requests import GenerateError, Sampling
+from generator_service.status import SwapTimes
+from generator_service.swaps import finish_despite_cancellation
 from generator_service.updates import Update, UpdateJoiner
 from generator_service.weights import (
     StagingFile,
