@@ -47,7 +47,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     block_size: int | None = None  # None: vLLM's (128 on CPU: shorter prompts are never cached)
     # Where updates are staged before the engine loads them (RAM-backed if possible; see
-    # weights.py). None: /dev/shm when writable, else the system temp folder.
+    # staging_file.py). None: /dev/shm when writable, else the system temp folder.
     staging_dir: str | None = None
     # The KV cache's size in bytes (it takes precedence over VLLM_CPU_KVCACHE_SPACE). None: on
     # CPU, `default_cpu_kv_cache_bytes()` (unless VLLM_CPU_KVCACHE_SPACE says otherwise); on

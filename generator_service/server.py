@@ -25,22 +25,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from generator_service import failpoints
+from generator_service.assembler import WeightAssembler
 from generator_service.auth import TokenAuthInterceptor
 from generator_service.engine import GeneratorEngine
 from generator_service.engine_config import EngineConfig
 from generator_service.feeder import StageFeeder, write_and_feed
 from generator_service.memory import keep_freed_memory
 from generator_service.requests import GenerateError, Sampling
+from generator_service.staging_file import StagingFile, minimum_update_bytes
 from generator_service.status import SwapTimes
 from generator_service.swaps import finish_despite_cancellation
 from generator_service.updates import Update, UpdateJoiner
 from generator_service.weights import (
-    StagingFile,
-    WeightAssembler,
     WeightUpdateError,
     check_progress_page,
     check_shared_layout,
-    minimum_update_bytes,
     shared_file_path,
     shared_file_size,
 )
