@@ -13,10 +13,11 @@ takes. Two swap modes (`SWAP_MODES`, `EngineConfig.swap_mode`):
 
 In both, the load is a commit of the staged update (stage_control.py, staging.py: converted
 while generation went on) or, when the update is not staged, vLLM's in-place reload from the
-staging file. The engine's weights are then labelled with the version (`update_weight_version`:
-vLLM's weight-version spans tag every token after it), and the prefix cache is reset where
-nothing holds it (with requests running and their KV kept it cannot be; the salts of calls.py
-keep its old entries from matching new requests).
+update's file (the staging file, or the learner's shared file). The engine's weights are then
+labelled with the version (`update_weight_version`: vLLM's weight-version spans tag every token
+after it), and the prefix cache is reset where nothing holds it (with requests running and
+their KV kept it cannot be; the salts of calls.py keep its old entries from matching new
+requests).
 
 Rules:
 
