@@ -17,7 +17,7 @@ from generator_service.auth import (
     resolve_auth_token,
     server_credentials,
 )
-from generator_service.engine import GIB, EngineConfig
+from generator_service.engine_config import GIB, EngineConfig
 from generator_service.model_check import ModelProblem, check_model
 from generator_service.server import EngineDiedError, ServerOptions, serve
 from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
@@ -46,15 +46,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m generator_service",
         description="vLLM generator behind gRPC with versioned weight updates.",
     )
-    parser.add_argument("--model", required=True, help="Hugging Face folder or cached hub name")
-    parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    parser.add_argument("--dtype", default="auto", help="served dtype, e.g. bfloat16, float32")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="GPUs: the share of device memory vLLM takes")  # fmt: skip
-    parser.add_argument(
+    _add_engine_options(parser.add_argument_group("model and engine"))
+    _add_update_options(parser.add_argument_group("weight updates"))
+    _add_server_options(parser.add_argument_group("server"))
+    return parser.parse_args(argv)
+
+
+def _add_engine_options(group) -> None:
+    """The served model and vLLM's engine (EngineConfig)."""
+    group.add_argument("--model", required=True, help="Hugging Face folder or cached hub name")
+    group.add_argument("--dtype", default="auto", help="served dtype, e.g. bfloat16, float32")
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--tensor-parallel-size", type=int, default=1)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="GPUs: the share of device memory vLLM takes")  # fmt: skip
+    group.add_argument(
         "--kv-cache-gib",
         type=float,
         default=None,
@@ -62,30 +68,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"(default: ${KV_CACHE_ENV} if set, else on CPU a quarter of the free memory, "
         "0.5-4 GiB, and on GPUs what --gpu-memory-utilization leaves)",
     )
-    parser.add_argument(
-        "--swap-mode",
-        choices=SWAP_MODES,
-        default="drain",
-        help="drain: a weight swap waits for running calls to finish (a call never spans a swap); "
-        "in-flight: running requests pause, continue on the new weights, and report each "
-        "token's policy version",
-    )
-    parser.add_argument(
-        "--in-flight-kv",
-        choices=IN_FLIGHT_KV,
-        default="keep",
-        help="in-flight mode: keep the KV cache computed with older weights (default, as "
-        "PipelineRL) or recompute it with the new weights at every swap",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="engine sampling seed")
-    parser.add_argument(
+    group.add_argument("--seed", type=int, default=0, help="engine sampling seed")
+    group.add_argument(
         "--cpu-reserved-cores",
         type=int,
         default=None,
         help="CPU backend: cores kept free of the engine's compute threads (default: vLLM's, one "
         "per engine process on x86); 0 lets the engine compute on every core it may run on",
     )
-    parser.add_argument(
+    group.add_argument(
         "--engine-executor",
         choices=("mp", "uni"),
         default=os.environ.get(EXECUTOR_ENV) or None,
@@ -96,33 +87,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "when one core is reserved), so use it only where the engine computes on one core, as "
         f"on a 2-core machine (default: ${EXECUTOR_ENV} if set, else vLLM's)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument(
+    group.add_argument("--max-num-seqs", type=int, default=None)
+    group.add_argument(
         "--block-size",
         type=int,
         default=None,
         help="tokens per KV-cache block, the unit of prefix caching (default: vLLM's, 128 on CPU)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="disable graph capture (default: on CPU only)",
     )
-    parser.add_argument(
-        "--auth-token",
-        default=None,
-        help=f"shared secret; prefer the {AUTH_TOKEN_ENV} environment variable (not in ps). "
-        "Required when --host is not loopback.",
+
+
+def _add_update_options(group) -> None:
+    """How weight updates are received, staged and swapped in."""
+    group.add_argument(
+        "--swap-mode",
+        choices=SWAP_MODES,
+        default="drain",
+        help="drain: a weight swap waits for running calls to finish (a call never spans a swap); "
+        "in-flight: running requests pause, continue on the new weights, and report each "
+        "token's policy version",
     )
-    parser.add_argument("--tls-cert", default=None, help="PEM certificate chain for TLS")
-    parser.add_argument("--tls-key", default=None, help="PEM private key for TLS")
-    parser.add_argument(
+    group.add_argument(
+        "--in-flight-kv",
+        choices=IN_FLIGHT_KV,
+        default="keep",
+        help="in-flight mode: keep the KV cache computed with older weights (default, as "
+        "PipelineRL) or recompute it with the new weights at every swap",
+    )
+    group.add_argument(
         "--staging-dir",
         default=None,
         help="where weight updates are staged (default /dev/shm, else the temp folder)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--stage",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -130,23 +132,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "goes on, then pause only to copy it in): one more copy of the weights in memory while "
         "an update is staged; --no-stage reloads in the pause, with one copy",
     )
-    parser.add_argument(
+    group.add_argument(
         "--stage-threads",
         type=int,
         default=1,
         help="CPU threads of the staging thread (default 1: on a CPU backend it shares the cores "
         "with generation; 0: torch's default)",
     )
-    parser.add_argument("--shutdown-grace", type=float, default=10.0)
-    parser.add_argument(
+    group.add_argument(
         "--senders-timeout",
         type=float,
         default=60.0,
         help="seconds an update sent by several learner processes waits, from its first "
         "stream, for the streams of the others; then it is refused",
     )
-    parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+
+
+def _add_server_options(group) -> None:
+    """Where the server listens, who may call it, how it stops and logs."""
+    group.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    group.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    group.add_argument(
+        "--auth-token",
+        default=None,
+        help=f"shared secret; prefer the {AUTH_TOKEN_ENV} environment variable (not in ps). "
+        "Required when --host is not loopback.",
+    )
+    group.add_argument("--tls-cert", default=None, help="PEM certificate chain for TLS")
+    group.add_argument("--tls-key", default=None, help="PEM private key for TLS")
+    group.add_argument("--shutdown-grace", type=float, default=10.0)
+    group.add_argument("--log-level", default="INFO")
 
 
 def lead_process_group() -> None:

@@ -22,7 +22,9 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from generator_service.weights import StagedTensor, StagingFile, WeightAssembler
+from generator_service.assembler import WeightAssembler
+from generator_service.staging_file import StagingFile
+from generator_service.weights import StagedTensor
 
 logger = logging.getLogger(__name__)
 

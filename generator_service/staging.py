@@ -2,15 +2,10 @@
 generation goes on, then committed in a short pause.
 
 vLLM's in-place `reload_weights` cannot overlap generation: while it loads, the live modules'
-parameters are replaced by meta tensors. Staging instead loads into a *shadow* of the model:
+parameters are replaced by meta tensors. Staging instead loads into a *shadow* of the model
+(shadow.py: clones of the modules that hold parameters, with fresh tensors laid out as vLLM
+recorded at the first load):
 
-- `build_shadow`: a clone of every module whose subtree holds parameters (shallow: the same
-  class, configuration and `quant_method` objects), with new tensors laid out as the
-  checkpoint-layout metadata vLLM recorded at the first load (`LAYERWISE_INFO`), on the meta
-  device until their layer is staged (`materialize`). The tensors
-  keep their class and attributes (the weight loaders, rebound to the shadow module), and a
-  tensor shared by two live modules (the tied `lm_head` and the embedding) is one shadow tensor.
-  Modules without parameters (attention, rotary embedding, logits processor) are not cloned.
 - `Stage`: in a thread of the worker, layer by layer: the layer's shadow modules get storage,
   the model's own `load_weights` loads the layer's tensors into them (the names, the fusion into
   qkv_proj / gate_up_proj, the tie, the dtype cast: exactly the code of a first load), and each
@@ -32,10 +27,8 @@ a layout that does not match, an unsupported model) leaves the serving weights u
 Memory: one more copy of the weights while a stage is held (on CPU: the packed form of every
 linear weight, the embedding, and one layer at a time in the checkpoint layout), from the
 worker's allocator, which keeps what the previous stage freed for the next one
-(`memory.keep_freed_memory`). A stage's shadow modules are emptied as soon as its commit is
-planned (`release_shadows`), so that the stage is freed by reference counting when it is
-dropped, not by Python's rare full collection. `--no-stage` (generator_service) keeps the
-one-copy reload.
+(`memory.keep_freed_memory`), and freed by reference counting when it is dropped
+(`shadow.release_shadows`). `--no-stage` (generator_service) keeps the one-copy reload.
 
 Unsupported (staging refuses; the engine then reloads in the pause as before): quantized
 models, LoRA, a model not loaded by vLLM's recorded metadata, and torch.compile on CPU (the
@@ -50,13 +43,18 @@ import logging
 import re
 import threading
 import time
-import types
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
 from generator_service import failpoints
+from generator_service.shadow import (
+    StagingUnsupported,
+    build_shadow,
+    materialize,
+    release_shadows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,157 +102,8 @@ def _in_group(module_name: str, prefix: str) -> bool:
     return LAYER.match(module_name + ".") is None
 
 
-class StagingUnsupported(RuntimeError):
-    """This engine's model cannot be staged (the reason says why); reload it in the pause."""
-
-
 class StagingError(RuntimeError):
     """A stage failed; the live weights were not touched."""
-
-
-def _subtree_has_parameters(module: torch.nn.Module) -> bool:
-    return next(module.parameters(), None) is not None
-
-
-def _unwrapped_loader(loader):
-    """A weight loader without vLLM's layerwise-reload wrappers (left on the recorded metadata
-    by an earlier in-place reload)."""
-    while getattr(loader, "__name__", "") == "online_process_loader":
-        loader = loader.__wrapped__
-    return loader
-
-
-def _shadow_tensor(template: torch.Tensor, shape, stride, device, owners, shadow) -> torch.Tensor:
-    """A fresh tensor of `template`'s class and attributes with the given layout; methods bound
-    to one of `owners` (the live module, vLLM's sanitising sentinel) are rebound to `shadow`."""
-    tensor = torch.empty_strided(tuple(shape), tuple(stride), dtype=template.dtype, device=device)
-    tensor.__class__ = template.__class__
-    attributes = dict(template.__dict__)
-    for key, value in attributes.items():
-        if key in ("weight_loader", "_weight_loader"):
-            value = _unwrapped_loader(value)
-        if isinstance(value, types.MethodType) and any(value.__self__ is o for o in owners):
-            value = value.__func__.__get__(shadow)
-        attributes[key] = value
-    tensor.__dict__ = attributes
-    return tensor
-
-
-def build_shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list, dict]:
-    """The shadow of `model` (see the module docstring), its (live, shadow) module pairs, and
-    the device of each of its tensors (by id). The tensors are on the meta device until
-    `materialize` gives them storage."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
-    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
-
-    shadows: dict[int, torch.nn.Module] = {}
-    tensors: dict[int, torch.Tensor] = {}  # id(live tensor) -> its shadow (ties stay ties)
-    devices: dict[int, torch.device] = {}
-    pairs = []
-
-    def tensor_for(live_module, shadow, name, live, recorded):
-        key = id(live) if live is not None else None
-        if key is not None and key in tensors:
-            return tensors[key]
-        if recorded is not None:
-            new = _shadow_tensor(
-                recorded, recorded.size(), recorded.stride(), "meta",
-                (live_module, layer_ref_sentinel), shadow,
-            )  # fmt: skip
-            devices[id(new)] = device
-        elif name in SKIP_TENSORS and live is not None:
-            # Not recorded (vLLM builds `bias` after the metadata): the live layout is the
-            # checkpoint's, as processing leaves an unquantized bias alone.
-            new = _shadow_tensor(live, live.size(), live.stride(), "meta",
-                                 (live_module, layer_ref_sentinel), shadow)  # fmt: skip
-            devices[id(new)] = live.device
-        else:
-            raise StagingUnsupported(
-                f"{type(live_module).__name__}.{name} has no recorded checkpoint layout"
-            )
-        if key is not None:
-            tensors[key] = new
-        return new
-
-    def clone(live_module: torch.nn.Module) -> torch.nn.Module:
-        nonlocal device
-        if id(live_module) in shadows:
-            return shadows[id(live_module)]
-        if not _subtree_has_parameters(live_module):
-            return live_module  # read only (configuration), never written
-        info = LAYERWISE_INFO.get(live_module)
-        if info is None:
-            raise StagingUnsupported(
-                f"vLLM recorded no reload metadata for {type(live_module).__name__}"
-            )
-        device = info.restore_device
-        recorded_params, recorded_buffers = info.restore_metadata
-        shadow = live_module.__class__.__new__(live_module.__class__)
-        shadow.__dict__.update(live_module.__dict__)
-        shadow.__dict__["_parameters"] = {}
-        shadow.__dict__["_buffers"] = {}
-        shadow.__dict__["_modules"] = {}
-        shadow.__dict__["_non_persistent_buffers_set"] = set(
-            live_module._non_persistent_buffers_set
-        )
-        shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
-        shadows[id(live_module)] = shadow
-        names = [n for n, p in live_module._parameters.items() if p is not None]
-        for name in dict.fromkeys([*recorded_params, *names]):
-            live = live_module._parameters.get(name)
-            shadow._parameters[name] = tensor_for(
-                live_module, shadow, name, live, recorded_params.get(name)
-            )
-        for name, recorded in recorded_buffers.items():
-            live = live_module._buffers.get(name)
-            shadow._buffers[name] = tensor_for(live_module, shadow, name, live, recorded)
-        for name, buffer in live_module._buffers.items():
-            if buffer is not None and name not in shadow._buffers:
-                shadow._buffers[name] = buffer  # not loaded (not in the checkpoint)
-        for name, child in live_module._modules.items():
-            shadow._modules[name] = None if child is None else clone(child)
-        pairs.append((live_module, shadow))
-        return shadow
-
-    device = None
-    try:
-        root = clone(model)
-    except BaseException:
-        release_shadows(shadows.values())
-        raise
-    return root, pairs, devices
-
-
-def release_shadows(modules) -> None:
-    """Empties each shadow module, once the stage has planned its commit (or failed): its
-    tensors' weight loaders are bound to it, a reference cycle that would keep it, its
-    checkpoint-layout tensors and the packed linears its processing made (and the next
-    commit retires) alive until Python's rare full collection, and a long-lived worker's
-    memory grew with its swaps until the kernel killed it. What the commit needs (the new
-    tensors, the new attributes) it holds itself."""
-    for module in modules:
-        module.__dict__.clear()
-
-
-def materialize(modules, devices: dict, made: weakref.WeakValueDictionary) -> None:
-    """Gives storage to the meta tensors of `modules` (on their device in `devices`); a tensor
-    two modules share gets one (`made`: meta id -> its tensor, while it lives)."""
-    for module in modules:
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is None or not tensor.is_meta:
-                    continue
-                real = made.get(id(tensor))
-                if real is None:
-                    real = torch.empty_strided(
-                        tuple(tensor.size()), tuple(tensor.stride()), dtype=tensor.dtype,
-                        device=devices[id(tensor)],
-                    )  # fmt: skip
-                    real.__class__ = tensor.__class__
-                    real.__dict__ = dict(tensor.__dict__)
-                    made[id(tensor)] = real
-                table[name] = real
 
 
 def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

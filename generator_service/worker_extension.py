@@ -1,6 +1,6 @@
 """Code that runs inside vLLM's worker process (`worker_extension_cls`), reached by collective_rpc.
 
-Loading a staged update: the staging file (weights.py) is mapped into memory and every tensor
+Loading a staged update: the staging file (staging_file.py) is mapped into memory and every tensor
 handed to vLLM's in-place `reload_weights` is a view of its region (`weights_iterator`), so
 nothing is read or copied before vLLM copies each tensor into its parameter, exactly as when
 it reloads tensors already in memory. (Reloading from a folder instead would go through vLLM's

@@ -8,8 +8,10 @@ import asyncio
 
 import numpy as np
 
+from generator_service.assembler import WeightAssembler
 from generator_service.feeder import StageFeeder, write_and_feed
-from generator_service.weights import StagedTensor, StagingFile, TensorSpec, WeightAssembler
+from generator_service.staging_file import StagingFile
+from generator_service.weights import StagedTensor, TensorSpec
 
 SHAPES = {
     "model.layers.0.mlp.up_proj.weight": (8, 4),

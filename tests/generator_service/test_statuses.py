@@ -206,7 +206,7 @@ def test_a_generate_call_failing_unexpectedly_names_no_internals():
     engine's reason, which is about the request."""
     from vllm.exceptions import VLLMClientError
 
-    from generator_service.engine import _first_error
+    from generator_service.calls import _first_error
 
     unexpected = _first_error(RuntimeError("mmap of /dev/shm/jaxrlhf-weights-1-x.bin failed"))
     assert unexpected.code == grpc.StatusCode.INTERNAL

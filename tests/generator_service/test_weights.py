@@ -11,14 +11,13 @@ import grpc
 import numpy as np
 import pytest
 
+from generator_service.assembler import WeightAssembler
+from generator_service.staging_file import StagingFile, minimum_update_bytes
 from generator_service.weights import (
     STAGING_ALIGNMENT,
-    StagingFile,
     TensorSpec,
-    WeightAssembler,
     WeightUpdateError,
     expected_tensors,
-    minimum_update_bytes,
 )
 
 SPECS = {

@@ -1,0 +1,207 @@
+"""Weight swaps: a validated, complete update put live as a new version, and the pause that it
+takes. Two swap modes (`SWAP_MODES`, `EngineConfig.swap_mode`):
+
+- "drain": the swap takes the `VersionGate` as its writer: new Generate calls wait at the gate,
+  and the swap waits until the engine has finished every request of the calls inside (a call
+  never spans a swap). The pause is that wait, the load and the relabelling.
+- "in-flight": calls hold the gate only while their requests are handed to the engine. The
+  swap pauses the scheduler with running requests frozen in place
+  (`pause_generation(mode="keep")`), loads, relabels and resumes: they continue on the new
+  weights. Their KV cache (`IN_FLIGHT_KV`) is kept ("keep": entries computed with the older
+  weights stay, as PipelineRL does) or recomputed ("recompute": every running request is
+  preempted and re-prefilled, prompt and tokens so far, with the new weights).
+
+In both, the load is a commit of the staged update (stage_control.py, staging.py: converted
+while generation went on) or, when the update is not staged, vLLM's in-place reload from the
+update's file (the staging file, or the learner's shared file). The engine's weights are then
+labelled with the version (`update_weight_version`: vLLM's weight-version spans tag every token
+after it), and the prefix cache is reset where nothing holds it (with requests running and
+their KV kept it cannot be; the salts of calls.py keep its old entries from matching new
+requests).
+
+Rules:
+
+- An update that is not newer than the served version (and no rollback) is refused before
+  anything else, and again at the start of the pause: it never touches the engine, and running
+  requests never notice it. A stage that fails is refused with the served weights untouched.
+- A swap that fails while loading leaves the weights in an unknown state: the engine then
+  aborts every running request (in-flight mode) rather than continue it, and `Served.serving`
+  stays False (NOT_SERVING, new calls refused) until a complete update succeeds.
+- A swap cancelled (its client's cancel or deadline) before its pause leaves everything as it
+  was; once the pause has begun the swap runs to its end (`finish_despite_cancellation`), and
+  the cancellation is raised after. It never stops with the scheduler paused, nor with new or
+  partial weights serving under the old version.
+- The stage a swap staged with is dropped when the swap ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from generator_service import failpoints
+from generator_service.gate import VersionGate
+from generator_service.stage_control import StageControl, manifest
+from generator_service.status import Occupancy, Served, SwapTimes
+from generator_service.weights import StagedTensor, WeightUpdateError
+
+logger = logging.getLogger(__name__)
+
+
+class Swaps:
+    """The swaps of one engine (module docstring)."""
+
+    def __init__(self, llm, gate: VersionGate, served: Served, occupancy: Occupancy,
+                 stages: StageControl, in_flight: bool, in_flight_kv: str) -> None:  # fmt: skip
+        self._llm = llm
+        self._gate = gate
+        self._served = served
+        self._occupancy = occupancy
+        self._stages = stages
+        self._in_flight = in_flight
+        self._recompute = in_flight and in_flight_kv == "recompute"
+
+    async def swap_weights(
+        self,
+        staging_path: str,
+        tensors: list[StagedTensor],
+        policy_version: int,
+        allow_rollback: bool = False,
+        stage_id: int = 0,
+    ) -> SwapTimes:
+        """Loads a validated, complete update staged in `staging_path` as `policy_version`.
+
+        Staged (`EngineConfig.stage`, see staging.py): the update is first converted into the
+        engine's layout while generation goes on, then committed in the pause; with
+        `stage_id`, the stage `StageControl.begin` began, fed every one of `tensors`.
+        `pause_seconds`: in "drain" mode from when new calls were held at the gate, through the
+        drain and the commit (or load); in "in-flight" mode the commit (or load). Cancellation
+        and failures: the module docstring."""
+        staging = self._stages.enabled or stage_id != 0
+        staged, stage_seconds, stage_tokens = 0, 0.0, 0
+        try:
+            self._check_newer(policy_version, allow_rollback)
+            if staging:
+                started = time.monotonic()
+                staged, stage_tokens = await self._stages.wait_staged(
+                    staging_path, tensors, policy_version, stage_id
+                )
+                stage_seconds = time.monotonic() - started
+            started = time.monotonic()
+            async with self._gate.write():
+                load = self._load_in_pause(
+                    staging_path, manifest(tensors), policy_version, allow_rollback, staged
+                )
+                await finish_despite_cancellation(asyncio.ensure_future(load))
+            pause_seconds = time.monotonic() - started
+        finally:
+            if staging:  # (also when cancelled or refused while staging)
+                await finish_despite_cancellation(asyncio.ensure_future(self._stages.drop()))
+        return SwapTimes(stage_seconds, pause_seconds, stage_tokens)
+
+    def _check_newer(self, policy_version: int, allow_rollback: bool) -> None:
+        served = self._served.policy_version
+        if policy_version <= served and not allow_rollback:
+            raise WeightUpdateError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"policy_version {policy_version} is not newer than the served version {served}",
+            )
+
+    async def _load_in_pause(
+        self, path: str, tensors: list, policy_version: int, allow_rollback: bool, staged: int
+    ) -> None:
+        """Loads the update in the pause: commits stage `staged` (0: reloads `tensors`, the
+        worker's manifest, from `path`)."""
+        self._check_newer(policy_version, allow_rollback)
+        await self._hold(failpoints.hit("pause_for_swap"))  # (chaos tests only)
+        # "drain": the gate already drained our calls; "wait" also covers anything else in the
+        # engine. "in-flight": running requests stay where they are, frozen.
+        await self._llm.pause_generation(
+            mode="keep" if self._in_flight else "wait", clear_cache=False
+        )
+        self._occupancy.paused(True)
+        try:
+            if staged:
+                await self._llm.collective_rpc("jaxrlhf_commit_staged", kwargs={"stage_id": staged})
+            else:
+                await self._llm.collective_rpc(
+                    "jaxrlhf_reload_weights", kwargs={"path": path, "tensors": tensors}
+                )
+            await self._hold(failpoints.hit("reload_weights"))  # (chaos tests only)
+            if self._recompute or self._llm.get_num_unfinished_requests() == 0:
+                # (With requests running and their KV kept, blocks are in use and the cache
+                # cannot be reset; the salts keep its old entries from matching new requests.)
+                await self._llm.reset_prefix_cache(reset_running_requests=self._recompute)
+            await self._llm.update_weight_version(str(policy_version))
+        except Exception as error:
+            raise await self._failed(policy_version) from error
+        finally:
+            self._occupancy.paused(False)
+            await self._llm.resume_generation()
+        self._served.swapped_in(policy_version)
+
+    async def _failed(self, policy_version: int) -> WeightUpdateError:
+        """After a load that failed: NOT_SERVING, and (in-flight) no request goes on."""
+        self._served.serving = False
+        logger.exception("weight reload failed")
+        if self._in_flight:
+            # Running requests must not go on with weights in an unknown state.
+            await self._llm.pause_generation(mode="abort", clear_cache=False)
+        return WeightUpdateError(
+            grpc.StatusCode.INTERNAL,
+            f"the engine failed while loading policy_version {policy_version} (see the "
+            "server's log); its weights are now in an unknown state and it reports "
+            "NOT_SERVING until a complete update succeeds",
+        )
+
+    async def _hold(self, hold: str | None) -> None:
+        """Performs a failpoint's hold (`failpoints.HOLDS`): `tokens=N` or `sleep=S`."""
+        if hold is None:
+            return
+        kind, _, value = hold.partition("=")
+        if kind == "tokens":
+            await self._wait_for_tokens(int(value))
+        else:
+            await asyncio.sleep(float(value))
+
+    async def _wait_for_tokens(self, count: int, timeout: float = 120.0) -> None:
+        """Waits until every running request (one with a token: those still queued behind the
+        engine's `max_num_seqs` have none) has generated `count` tokens (or `timeout`), so that
+        the swap after it lands at a known place in them (the `pause_for_swap` failpoint).
+        Reads vLLM's own record of each request's output tokens, which it keeps even though
+        the outputs themselves are only sent once finished."""
+        states = self._llm.output_processor.request_states
+
+        def reached() -> bool:
+            counts = [state.detokenizer.num_output_tokens() for state in states.values()]
+            running = [n for n in counts if n > 0]
+            return bool(running) and min(running) >= count
+
+        deadline = time.monotonic() + timeout
+        while not reached():
+            if time.monotonic() > deadline:
+                logger.warning("failpoint: running requests never reached %d tokens", count)
+                return
+            await asyncio.sleep(0.001)
+
+
+async def finish_despite_cancellation(task: asyncio.Future):
+    """`task`'s result, awaited to its end even if the awaiting task is cancelled meanwhile;
+    that cancellation is raised once `task` is done (its own error, if any, is then left to
+    its own handling: the swap logs it and reports NOT_SERVING)."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = cancelled or not task.done()
+        except Exception:  # noqa: BLE001 - the task's own failure, raised by result() below
+            pass
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: not reported again as "never retrieved"
+        raise asyncio.CancelledError
+    return task.result()
