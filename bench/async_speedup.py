@@ -73,17 +73,16 @@ from pathlib import Path
 from typing import Any
 
 from jaxrlhf.experiments import (
-    add_timed_run_arguments,
     config_file_for,
     load_config,
     log_tail,
     main_command,
-    parse_timed_run_args,
     placement_overrides,
     read_run,
     run_main,
     timed_run_overrides,
 )
+from jaxrlhf.experiments.bench_flags import add_timed_run_arguments, parse_timed_run_args
 
 MODES = {"sync": 0, "async": 1}  # mode -> max_staleness
 TARGET_EFFICIENCY = 0.9

@@ -67,13 +67,12 @@ from pathlib import Path
 from typing import Any
 
 from jaxrlhf.experiments import (
-    add_timed_run_arguments,
     config_file_for,
-    parse_timed_run_args,
     placement_overrides,
     read_run,
     timed_run_overrides,
 )
+from jaxrlhf.experiments.bench_flags import add_timed_run_arguments, parse_timed_run_args
 from jaxrlhf.experiments.services import run_side_by_side
 from jaxrlhf.experiments.stats import mean_stderr
 

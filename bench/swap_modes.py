@@ -46,13 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from jaxrlhf.experiments import (
-    add_timed_run_arguments,
     config_file_for,
-    parse_timed_run_args,
     placement_overrides,
     read_run,
     timed_run_overrides,
 )
+from jaxrlhf.experiments.bench_flags import add_timed_run_arguments, parse_timed_run_args
 from jaxrlhf.experiments.services import SWAP_SETTINGS, run_side_by_side
 
 # name -> (generator.swap_mode, generator.in_flight_kv, generator.stage)
