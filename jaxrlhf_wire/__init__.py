@@ -5,8 +5,8 @@
   `generator_pb2_grpc`, `SERVICE_NAME`). They are generated at install time (`make install`, or
   `python -m jaxrlhf_wire.build`), never at import; importing them with stubs missing or built
   from another version of the .proto raises ImportError naming that command.
-- `jaxrlhf_wire.chunks`: WeightChunk streams: the encoder (`encode_weight_chunks`,
-  `iter_weight_chunks`), the copy-free decoder (`decode_weight_chunk`), chunk and message sizes
+- `jaxrlhf_wire.chunks`: WeightChunk streams: the encoder (`encode_weight_chunks`), the
+  copy-free decoder (`decode_weight_chunk`), chunk and message sizes
   and the channel options both ends use.
 - `jaxrlhf_wire.dtypes`: the dtypes a weight may travel in, with their sizes, safetensors codes
   and numpy views.

@@ -3,9 +3,8 @@
 The learner streams its parameters (numpy or JAX arrays, already in the Hugging Face layout) with
 `encode_weight_chunks`: WeightChunk messages serialised by hand, so that each tensor's bytes are
 copied once, straight into the message (protobuf would copy them three times: into a `bytes`,
-into the message, into its serialisation). `iter_weight_chunks` yields the same chunks as
-message objects, for callers that build or alter streams themselves. The server decodes them
-with `decode_weight_chunk`, which leaves each chunk's data a view of the received bytes.
+into the message, into its serialisation). The server decodes them with `decode_weight_chunk`,
+which leaves each chunk's data a view of the received bytes.
 Only numpy, grpc and protobuf here.
 """
 
@@ -154,33 +153,6 @@ def _header(
     )
 
 
-def iter_weight_chunks(
-    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
-    policy_version: int,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    num_tensors: int | None = None,
-    allow_rollback: bool = False,
-    num_senders: int = 0,
-    sender: int = 0,
-    update_id: str = "",
-) -> Iterator[generator_pb2.WeightChunk]:
-    """Splits named arrays into `WeightChunk`s of at most `chunk_bytes` data each.
-
-    Lazy: one tensor's bytes at a time are copied into messages, a block of rows at a time.
-    A value may be a `TensorSlice` (a box of the named tensor); `num_tensors` counts distinct
-    names. With `num_tensors` given, `tensors` may be a one-pass iterator (e.g. parameters
-    converted on the fly) and is never held in full; without it, it is listed first to count
-    it. A count that does not match what is sent is refused by the server. A zero-size tensor
-    is sent as one empty chunk. `num_senders`/`sender`: this stream is one of several that
-    carry the update (WeightChunk in the .proto). `update_id`: the update's identity, the same
-    over its streams and retries (WeightChunk.update_id).
-    """
-    for fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
-        chunk = _header(policy_version, allow_rollback, num_senders, sender, update_id, *fields)
-        chunk.data = piece.tobytes()
-        yield chunk
-
-
 def encode_weight_chunks(
     tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
     policy_version: int,
@@ -191,8 +163,18 @@ def encode_weight_chunks(
     sender: int = 0,
     update_id: str = "",
 ) -> Iterator[bytes]:
-    """The chunks of `iter_weight_chunks`, serialised, for an UpdateWeights call whose request
-    serializer is None (`jaxrlhf.rpc.GeneratorClient.update_weights_encoded`).
+    """Named arrays as serialised `WeightChunk`s of at most `chunk_bytes` data each, for an
+    UpdateWeights call whose request serializer is None
+    (`jaxrlhf.rpc.GeneratorClient.update_weights_encoded`).
+
+    Lazy: one tensor's bytes at a time are copied into messages, a block of rows at a time.
+    A value may be a `TensorSlice` (a box of the named tensor); `num_tensors` counts distinct
+    names. With `num_tensors` given, `tensors` may be a one-pass iterator (e.g. parameters
+    converted on the fly) and is never held in full; without it, it is listed first to count
+    it. A count that does not match what is sent is refused by the server. A zero-size tensor
+    is sent as one empty chunk. `num_senders`/`sender`: this stream is one of several that
+    carry the update (WeightChunk in the .proto). `update_id`: the update's identity, the same
+    over its streams and retries (WeightChunk.update_id).
 
     Each message is the protobuf encoding of the chunk without its data, followed by the data
     field (protobuf accepts fields in any order), so the tensor's bytes are copied only once.

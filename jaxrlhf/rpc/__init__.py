@@ -12,7 +12,7 @@ from __future__ import annotations
 from jaxrlhf.rpc.client import GeneratorClient, auth_metadata
 
 # These live in jaxrlhf_wire (the contract both sides import); re-exported here.
-from jaxrlhf_wire.chunks import encode_weight_chunks, iter_weight_chunks
+from jaxrlhf_wire.chunks import encode_weight_chunks
 from jaxrlhf_wire.stubs import PROTO_PATH, SERVICE_NAME, generator_pb2, generator_pb2_grpc
 
 __all__ = [
@@ -23,5 +23,4 @@ __all__ = [
     "encode_weight_chunks",
     "generator_pb2",
     "generator_pb2_grpc",
-    "iter_weight_chunks",
 ]

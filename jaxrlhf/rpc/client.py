@@ -22,7 +22,6 @@ from jaxrlhf_wire.chunks import (  # noqa: F401
     MAX_MESSAGE_BYTES,
     UPDATE_WEIGHTS_METHOD,
     encode_weight_chunks,
-    iter_weight_chunks,
 )
 from jaxrlhf_wire.dtypes import WEIGHT_DTYPES  # noqa: F401
 from jaxrlhf_wire.stubs import generator_pb2, generator_pb2_grpc

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.rpc import GeneratorClient
-from jaxrlhf_wire.chunks import iter_weight_chunks
+from tests.generator_service.wire import chunk_messages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -99,7 +99,7 @@ def test_every_call_without_the_right_token_is_unauthenticated(secure_server, to
             "GetStatus": lambda: client.status(),
             "Generate": lambda: list(client.generate([[1, 2, 3]], max_tokens=2)),
             "UpdateWeights": lambda: client.stub.UpdateWeights(
-                iter_weight_chunks({"x": np.ones(1, np.float32)}, 99), metadata=client.metadata
+                chunk_messages({"x": np.ones(1, np.float32)}, 99), metadata=client.metadata
             ),
         }
         for name, call in calls.items():

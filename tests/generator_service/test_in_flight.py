@@ -26,9 +26,10 @@ import numpy as np
 import pytest
 
 from jaxrlhf_wire.build import PROTO_PATH
-from jaxrlhf_wire.chunks import encode_weight_chunks, iter_weight_chunks
+from jaxrlhf_wire.chunks import encode_weight_chunks
 from tests.generator_service.test_senders import split
 from tests.generator_service.test_update_weights import perturbed
+from tests.generator_service.wire import chunk_messages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -290,7 +291,7 @@ def test_a_request_queued_across_a_swap_is_tagged_by_the_cache_it_read(in_flight
 
 def test_a_refused_update_leaves_running_requests_on_the_old_weights(in_flight, reference):
     old, version = in_flight.tensors, in_flight.version
-    chunks = list(iter_weight_chunks(perturbed(old, seed=12), version + 1, 1 << 14))
+    chunks = list(chunk_messages(perturbed(old, seed=12), version + 1, 1 << 14))
     truncated = chunks[:-1]
 
     def refused():
@@ -383,7 +384,7 @@ def test_a_two_sender_update_cancelled_mid_swap_is_answered_live_to_both(in_flig
         armed.write("reload_weights 1 sleep=6\n")
 
     def stream(sender):
-        yield from iter_weight_chunks(parts[sender], old_version + 1, 1 << 16, len(new),
+        yield from chunk_messages(parts[sender], old_version + 1, 1 << 16, len(new),
                                       num_senders=2, sender=sender,
                                       update_id="two senders")  # fmt: skip
         if sender == 1:

@@ -11,10 +11,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxrlhf_wire.chunks import iter_weight_chunks
+from jaxrlhf_wire.chunks import encode_weight_chunks
 from jaxrlhf_wire.stubs import SERVICE_NAME, generator_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def chunk_messages(tensors, policy_version: int, **options) -> list:
+    """The WeightChunk messages `encode_weight_chunks` sends, parsed back by protobuf."""
+    return [generator_pb2.WeightChunk.FromString(raw)
+            for raw in encode_weight_chunks(tensors, policy_version, **options)]  # fmt: skip
 
 
 def test_contract_names():
@@ -38,7 +44,7 @@ def test_rpc_package_imports_neither_vllm_nor_jax_nor_torch():
 def test_weight_chunks_split_by_byte_offset_and_keep_bfloat16():
     embed = np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
     norm = np.ones(4, np.float32)
-    chunks = list(iter_weight_chunks({"embed": embed, "norm": norm}, 7, chunk_bytes=10))
+    chunks = list(chunk_messages({"embed": embed, "norm": norm}, 7, chunk_bytes=10))
     assert {c.policy_version for c in chunks} == {7} and {c.num_tensors for c in chunks} == {2}
     embed_chunks = [c for c in chunks if c.name == "embed"]
     assert [c.offset for c in embed_chunks] == [0, 8, 16]  # whole rows (8 bytes) where one fits
@@ -48,7 +54,7 @@ def test_weight_chunks_split_by_byte_offset_and_keep_bfloat16():
     np.testing.assert_array_equal(np.frombuffer(data, ml_dtypes.bfloat16).reshape(3, 4), embed)
     norm_chunks = [c for c in chunks if c.name == "norm"]  # 1-D: its rows are its elements
     assert [(c.offset, len(c.data)) for c in norm_chunks] == [(0, 8), (8, 8)]
-    narrow = list(iter_weight_chunks({"embed": embed}, 7, chunk_bytes=6))  # a row is over 6 bytes
+    narrow = list(chunk_messages({"embed": embed}, 7, chunk_bytes=6))  # a row is over 6 bytes
     assert [(c.offset, len(c.data)) for c in narrow] == [(0, 6), (6, 2), (8, 6), (14, 2),
                                                          (16, 6), (22, 2)]  # fmt: skip
     assert not any(c.slice_start or c.slice_shape or c.num_senders for c in chunks)
@@ -60,7 +66,7 @@ def test_a_slice_is_sent_as_its_own_row_major_bytes_with_its_box():
     kernel = np.arange(24, dtype=np.float32).reshape(4, 6)
     part = kernel.T[2:5, 1:3]  # a strided view: rows 2-4, columns 1-2 of the (6, 4) tensor
     chunks = list(
-        iter_weight_chunks(
+        chunk_messages(
             [("w", TensorSlice((6, 4), (2, 1), part))],
             3,
             chunk_bytes=12,
@@ -111,20 +117,31 @@ def test_cli_refuses_bad_options_before_starting(args, env, message):
 
 def test_weight_chunks_from_a_one_pass_iterator_with_a_given_count():
     arrays = ((f"t{i}", np.full(3, i, np.float16)) for i in range(4))
-    chunks = list(iter_weight_chunks(arrays, 2, num_tensors=4))
+    chunks = list(chunk_messages(arrays, 2, num_tensors=4))
     assert [c.name for c in chunks] == ["t0", "t1", "t2", "t3"]
     assert {c.num_tensors for c in chunks} == {4}
 
 
 def test_encoded_chunks_are_the_same_messages_and_decode_without_copying_their_data():
-    from jaxrlhf_wire.chunks import decode_weight_chunk, encode_weight_chunks
+    from jaxrlhf_wire.chunks import decode_weight_chunk
 
     arrays = {
         "embed": np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16),
         "norm": np.linspace(0, 1, 300, dtype=np.float32),
         "empty": np.zeros((0, 4), np.float16),
     }
-    messages = list(iter_weight_chunks(arrays, 7, chunk_bytes=256, allow_rollback=True))
+    # The messages protobuf itself builds, by hand: embed's 24 bytes in one chunk; norm's 1,200
+    # in chunks of 256 (64 elements; its rows are its elements), the last 176; empty, one.
+    pieces = [("embed", 0, 24), *(("norm", o, min(256, 1200 - o)) for o in range(0, 1200, 256)),
+              ("empty", 0, 0)]  # fmt: skip
+    messages = [
+        generator_pb2.WeightChunk(
+            policy_version=7, num_tensors=3, name=name, dtype=str(arrays[name].dtype),
+            shape=arrays[name].shape, offset=offset, allow_rollback=True,
+            data=arrays[name].tobytes()[offset : offset + size],
+        )
+        for name, offset, size in pieces
+    ]  # fmt: skip
     encoded = list(encode_weight_chunks(arrays, 7, chunk_bytes=256, allow_rollback=True))
     assert len(encoded) == len(messages) == 1 + 5 + 1
     for raw, message in zip(encoded, messages, strict=True):

@@ -14,9 +14,10 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxrlhf_wire.chunks import TensorSlice, iter_weight_chunks
+from jaxrlhf_wire.chunks import TensorSlice
 from tests.generator_service.conftest import SENDERS_TIMEOUT_S
 from tests.generator_service.test_update_weights import greedy, perturbed
+from tests.generator_service.wire import chunk_messages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -58,7 +59,7 @@ def send(client, parts, versions, num_tensors, chunk_bytes=1 << 14, num_senders=
     update_ids = update_ids or [""] * len(parts)
 
     def stream(sender: int):
-        chunks = iter_weight_chunks(parts[sender], versions[sender], chunk_bytes, num_tensors,
+        chunks = chunk_messages(parts[sender], versions[sender], chunk_bytes, num_tensors,
                                     num_senders=num_senders, sender=sender,
                                     update_id=update_ids[sender])  # fmt: skip
         try:
@@ -173,7 +174,7 @@ def test_a_sender_cancelled_while_another_still_sends_refuses_the_update_for_bot
     first_answered = threading.Event()
 
     def chunks(sender):
-        return iter_weight_chunks(parts[sender], version + 1, 1 << 14, len(new), num_senders=2,
+        return chunk_messages(parts[sender], version + 1, 1 << 14, len(new), num_senders=2,
                                   sender=sender)  # fmt: skip
 
     def held_open():  # all of sender 1's chunks; the stream ends after sender 0 was answered

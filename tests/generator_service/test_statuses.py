@@ -27,7 +27,8 @@ import pytest
 
 from generator_service import failpoints
 from generator_service.weights import TensorSpec
-from jaxrlhf_wire.chunks import TensorSlice, iter_weight_chunks
+from jaxrlhf_wire.chunks import TensorSlice
+from tests.generator_service.wire import chunk_messages
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,7 +79,7 @@ def _send(client, version: int, update_ids, num_senders: int | None = None) -> l
     parts = _parts(num_senders)
 
     def stream(sender: int):
-        chunks = iter_weight_chunks(parts[sender], version, 16, len(TENSORS),
+        chunks = chunk_messages(parts[sender], version, 16, len(TENSORS),
                                     num_senders=num_senders, sender=sender,
                                     update_id=update_ids[sender])  # fmt: skip
         try:
@@ -191,7 +192,7 @@ def test_the_status_names_the_update_that_put_the_served_weights_in_place(client
 def test_an_update_whose_streams_or_chunks_disagree_on_its_id_is_refused(client):
     message = _refused_alike(_send(client, 1, ["a", "b"]), grpc.StatusCode.INVALID_ARGUMENT)
     assert "update_id 'b'" in message and "its senders disagree" in message
-    chunks = list(iter_weight_chunks(TENSORS, 1, 16, update_id="a"))
+    chunks = list(chunk_messages(TENSORS, 1, 16, update_id="a"))
     chunks[-1].update_id = "b"
     with pytest.raises(grpc.RpcError) as refused:
         client.stub.UpdateWeights(iter(chunks), timeout=60)

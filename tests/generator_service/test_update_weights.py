@@ -11,8 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxrlhf_wire.chunks import iter_weight_chunks
 from jaxrlhf_wire.stubs import generator_pb2
+from tests.generator_service.wire import chunk_messages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -71,7 +71,7 @@ def test_bfloat16_update_is_cast_to_the_served_dtype(client, served, reference):
 
 
 def _chunks(tensors, version, chunk_bytes=1 << 14) -> list[generator_pb2.WeightChunk]:
-    return list(iter_weight_chunks(tensors, version, chunk_bytes))
+    return list(chunk_messages(tensors, version, chunk_bytes))
 
 
 def _stale(tensors, version):

@@ -279,7 +279,8 @@ def test_malformed_stream_is_refused_with_a_named_problem(case):
 
 def sliced(values, boxes, version=1, num_senders=2, sender=0, chunk_bytes=16):
     """The add() arguments of the chunks of `boxes` [(name, start, extent)] of `values`."""
-    from jaxrlhf_wire.chunks import TensorSlice, iter_weight_chunks
+    from jaxrlhf_wire.chunks import TensorSlice
+    from tests.generator_service.wire import chunk_messages
 
     def box(start, extent):
         return tuple(slice(s, s + n) for s, n in zip(start, extent, strict=True))
@@ -293,7 +294,7 @@ def sliced(values, boxes, version=1, num_senders=2, sender=0, chunk_bytes=16):
              dtype=c.dtype, shape=tuple(c.shape), offset=c.offset, data=c.data,
              slice_start=tuple(c.slice_start), slice_shape=tuple(c.slice_shape),
              num_senders=c.num_senders)
-        for c in iter_weight_chunks(items, version, chunk_bytes, num_tensors=2,
+        for c in chunk_messages(items, version, chunk_bytes, num_tensors=2,
                                     num_senders=num_senders, sender=sender)
     ]  # fmt: skip
 
