@@ -107,7 +107,6 @@ def forbid_gathers() -> None:
 
 def worker(args) -> None:
     """One learner process (argv: --worker ID)."""
-    import functools
 
     import jax
 
@@ -133,7 +132,7 @@ def worker(args) -> None:
     )
     from jaxrlhf.models.mapping import flatten
     from jaxrlhf.rl.pool import GeneratorPool
-    from jaxrlhf.rl.publisher import publish_sliced, publish_weights_of
+    from jaxrlhf.rl.publisher import PublishJob, publish_sliced
     from jaxrlhf.sharding import make_mesh
 
     mesh = make_mesh((1, -1, 1))
@@ -164,13 +163,12 @@ def worker(args) -> None:
             libc.malloc_trim(0)
             baseline = rss_bytes()
             started = time.perf_counter()
-            send = functools.partial(publish_weights_of, pool, len(specs), version, False,
-                                     specs, False)  # fmt: skip
+            job = PublishJob(pool, version, specs)
             with PeakSampler() as sampler:
                 if mode == "sliced":
-                    stats = publish_sliced(model, params, None, plan, pool, specs, send)
+                    stats = publish_sliced(model, params, None, plan, job)
                 else:
-                    stats = driven_streams(lambda: iter_hf_tensors(model, params), send)
+                    stats = driven_streams(lambda: iter_hf_tensors(model, params), job.send)
             seconds.append(round(time.perf_counter() - started, 3))
             increases.append(sampler.peak - baseline)
             version += 1
