@@ -4,9 +4,9 @@ missing and exit 2, instead of a traceback from deep inside a stage.
     models    `model.path`, `task.reward_model`, `loss_params.value_model_path`,
               `eval.gold_reward_model`, `eval.sft_model`: a local folder that holds a model
               (config.json and safetensors; a stage's output folder: its whole `hf_export/`),
-              a model built here ("smollm2", "tiny", "tiny-long"), or a hub name that is in
-              the local Hugging Face cache or that the hub will serve (a gated one: to a token
-              with access)
+              a model built here ("smollm2", "tiny", "tiny-long", the bed's "bed", "bed-m",
+              "bed-l"), or a hub name that is in the local Hugging Face cache or that the hub
+              will serve (a gated one: to a token with access)
     datasets  `task.source`, `task.preference_source` (or the task's hub default): an existing
               local file or folder, or a hub name in the `datasets` cache or that the hub serves
 
@@ -29,10 +29,11 @@ from pathlib import Path
 
 from jaxrlhf.data import recipes
 from jaxrlhf.data.sources import looks_like_path
+from jaxrlhf.models.paths import BED_NAMES
 from jaxrlhf.stages.chain import export_is_complete, get_key, is_finished
 
 TRACEBACK_ENV = "JAXRLHF_TRACEBACK"
-BUILT_HERE = ("smollm2", "tiny", "tiny-long")  # jaxrlhf.models.paths.resolve_model
+BUILT_HERE = ("smollm2", "tiny", "tiny-long", *BED_NAMES)  # jaxrlhf.models.paths.resolve_model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DATASET_LAYOUT = (
     "a .jsonl/.parquet file or a folder of {split}.jsonl files in the hub's schema, see "

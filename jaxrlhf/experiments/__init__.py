@@ -25,21 +25,28 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 
 
+# `--model` names with a config file of their own (else configs/default.py, `model.path` set).
+OWN_CONFIG = {"tiny": "tiny.py", "bed": "bed.py", "smollm2": "default.py"}
+BED_SIZES = ("bed-m", "bed-l")  # configs/bed.py's workload on the test bed's larger sizes
+
+
 def config_file_for(model: str) -> Path:
-    """configs/tiny.py for the tiny random model (its small rollout sizes), else the offline
-    default's configs/default.py (with `model.path` overridden when `model` is not smollm2)."""
-    return CONFIGS / ("tiny.py" if model == "tiny" else "default.py")
+    """configs/tiny.py for the tiny random model (its small rollout sizes), configs/bed.py for
+    the test bed at any size ("bed", "bed-m", "bed-l"), else the offline default's
+    configs/default.py (with `model.path` overridden when `model` is not smollm2)."""
+    return CONFIGS / ("bed.py" if model in BED_SIZES else OWN_CONFIG.get(model, "default.py"))
 
 
 def placement_overrides(model: str, cpus_generator: str, cpus_learner: str) -> dict[str, Any]:
-    """The overrides of a bench's `--model` (a folder; "smollm2" and "tiny" are their config
-    files' own) and its cores (`--cpus-generator`, `--cpus-learner`; "" = not pinned)."""
+    """The overrides of a bench's `--model` (a folder or a name; "smollm2", "tiny" and "bed" are
+    their config files' own) and its cores (`--cpus-generator`, `--cpus-learner`; "" = not
+    pinned)."""
     overrides: dict[str, Any] = {}
     if cpus_generator:
         overrides["generator.cpus"] = cpus_generator
     if cpus_learner:
         overrides["learner_cpus"] = cpus_learner
-    if model not in ("smollm2", "tiny"):
+    if model not in OWN_CONFIG:
         overrides["model.path"] = model
     return overrides
 

@@ -226,8 +226,12 @@ def runner_from_args(args, name: str) -> tuple[Runner, Path]:
 
 def add_runner_arguments(parser) -> None:
     """The command-line flags every experiment shares."""
-    parser.add_argument("--model", default="smollm2", help="smollm2, tiny, or a model folder")
-    parser.add_argument("--seeds", default="0,1,2", help="config.seed values, one run each")
+    parser.add_argument(
+        "--model", default="smollm2", help="smollm2, tiny, bed, bed-m, bed-l, or a model folder"
+    )
+    parser.add_argument(
+        "--seeds", default="0,1,2", help='config.seed values, one run each: "0,1,2", "0-19"'
+    )
     parser.add_argument("--last", type=int, default=5, help="steps averaged for final figures")
     parser.add_argument("--cpus-generator", default="", help='e.g. "1" (default: not pinned)')
     parser.add_argument("--cpus-learner", default="", help='e.g. "0" (default: not pinned)')
@@ -282,7 +286,15 @@ def parse_passthrough(parser, extra: Sequence[str]) -> dict[str, str]:
 
 
 def parse_seeds(text: str) -> list[int]:
-    return sorted({int(s) for s in text.split(",") if s.strip()})
+    """ "0-9" or "0,1,5" or a mix ("0-4,9")."""
+    seeds: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if "-" in part:
+            low, high = (int(x) for x in part.split("-"))
+            seeds.update(range(low, high + 1))
+        elif part:
+            seeds.add(int(part))
+    return sorted(seeds)
 
 
 def common_overrides(args, output_dir: Path, steps: int) -> dict[str, Any]:
@@ -296,6 +308,8 @@ def common_overrides(args, output_dir: Path, steps: int) -> dict[str, Any]:
     }
     if args.cpus_learner:
         overrides["learner_cpus"] = args.cpus_learner
-    if args.model not in ("smollm2", "tiny"):
+    from jaxrlhf.experiments import OWN_CONFIG
+
+    if args.model not in OWN_CONFIG:
         overrides["model.path"] = args.model
     return overrides

@@ -6,11 +6,20 @@ from pathlib import Path
 
 from jaxrlhf.models.built import cache_dir
 
+# The test bed's sizes (`jaxrlhf.models.bed.SIZES`, checked equal by its tests).
+BED_NAMES = ("bed", "bed-m", "bed-l")
+
 
 def resolve_model(path: str) -> Path:
     """ "smollm2" = the packaged model (converted once), "tiny" = a tiny random model (256
-    positions), "tiny-long" = the same with 1024 positions (long responses in benches), a
-    stage's output dir = its exported `hf_export/`, else a Hugging Face folder or hub name."""
+    positions), "tiny-long" = the same with 1024 positions (long responses in benches), "bed",
+    "bed-m", "bed-l" = the test bed's sizes (trained once on the arithmetic task,
+    `jaxrlhf.models.bed`), a stage's output dir = its exported `hf_export/`, else a Hugging
+    Face folder or hub name."""
+    if path in BED_NAMES:
+        from jaxrlhf.models.bed import bed_path
+
+        return bed_path(path)
     if path == "smollm2":
         from jaxrlhf.models.smollm2 import smollm2_path
 

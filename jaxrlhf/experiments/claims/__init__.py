@@ -22,7 +22,7 @@ The claims (arms; comparisons, one family each, corrected by Holm's procedure):
 - (b) Online DPO is the most robust loss off-policy: Online DPO, PPO, RLOO, GRPO at N in
   {1, 4, 16, 64} (and each correction of the ratio losses at N = 16); the fall of test accuracy
   from N = 1, each loss's − Online DPO's, per N.
-- (c) a larger policy is more robust: bed-s, bed, bed-l at N in {1, 16, 64}, Online DPO; the
+- (c) a larger policy is more robust: bed, bed-m, bed-l at N in {1, 16, 64}, Online DPO; the
   fall, smaller − larger, per N.
 - (d) K = 4 samples per prompt reach a target sooner than 2, training-bound: K in {2, 4};
   updates to a target chosen on validation, and the KL there.

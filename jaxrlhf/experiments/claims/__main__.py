@@ -14,21 +14,9 @@ from jaxrlhf.experiments.claims.analysis import by_arm
 from jaxrlhf.experiments.claims.figures import claims_table, markdown, plot_claim
 from jaxrlhf.experiments.claims.plans import Settings
 from jaxrlhf.experiments.claims.verdicts import analyse
-from jaxrlhf.experiments.runner import Runner, parse_passthrough
+from jaxrlhf.experiments.runner import Runner, parse_passthrough, parse_seeds
 
 ORDER = ("pilot", "a", "b", "c", "d", "e", "f")
-
-
-def parse_seeds(text: str) -> tuple[int, ...]:
-    """ "0-9" or "0,1,5" or a mix ("0-4,9")."""
-    seeds: set[int] = set()
-    for part in text.split(","):
-        if "-" in part.strip():
-            low, high = (int(x) for x in part.split("-"))
-            seeds.update(range(low, high + 1))
-        elif part.strip():
-            seeds.add(int(part))
-    return tuple(sorted(seeds))
 
 
 def parse_args(argv: Sequence[str] | None):
@@ -61,7 +49,7 @@ def settings_of(args, claim: str) -> Settings:
         return Settings(seeds=tuple(saved["seeds"]), steps=saved["steps"],
                         eval_every=saved["eval_every"],
                         passthrough=tuple(saved["passthrough"].items()))  # fmt: skip
-    return Settings(seeds=parse_seeds(args.seeds or "0-9"), steps=args.steps,
+    return Settings(seeds=tuple(parse_seeds(args.seeds or "0-9")), steps=args.steps,
                     eval_every=args.eval_every,
                     passthrough=tuple(args.passthrough.items()))  # fmt: skip
 

@@ -37,7 +37,7 @@ class Settings:
     mini_batches: tuple[int, ...] = (1, 4, 16, 64)
     corrections: tuple[str, ...] = CORRECTIONS
     correction_mini_batches: tuple[int, ...] = (16,)
-    sizes: tuple[str, ...] = ("bed-s", "bed", "bed-l")
+    sizes: tuple[str, ...] = ("bed", "bed-m", "bed-l")
     size_mini_batches: tuple[int, ...] = (1, 16, 64)
     samples: tuple[int, ...] = (2, 4)
     updates: tuple[int, ...] = (1, 2, 4)
