@@ -208,3 +208,25 @@ def test_generate_load(tiny_llama, generator_address):
     assert row["streams"] == 8 and row["calls"] > 8 and row["updates"] >= 2
     assert row["failed_calls"] == 0 and row["mixed_version_calls"] == 0, row
     assert_positive_finite(row, "tokens_per_s", "one_client_tokens_per_s", "latency_p99_s")
+
+
+@pytest.mark.slow  # a bed build and a run that starts its own generator service
+def test_bed(own_generator, tmp_path):
+    """bench/bed.py on a bed of 3 SFT steps, 2 updates and the held-out splits cut short: a
+    JSON line with the parameters and the run's figures (building twice gives the same bytes:
+    tests/models/test_bed.py)."""
+    (row,) = run_bench(
+        [
+            sys.executable, "bench/bed.py", "--sizes", "bed", "--sft-steps", "3",
+            "--steps", "2", "--out", str(tmp_path), "--config.task.num_eval=8",
+            "--config.task.num_test=8",
+        ],
+        timeout=600,
+    )  # fmt: skip
+    assert (row["size"], row["sft_steps"], row["updates"]) == ("bed", 3, 2)
+    # By hand: 2 layers of attention (4 x 64 x 64), MLP (3 x 64 x 256) and 2 norms (64 each),
+    # embeddings and untied head (47 x 64 each), the final norm.
+    assert row["parameters"] == 2 * (4 * 64 * 64 + 3 * 64 * 256 + 2 * 64) + 2 * 47 * 64 + 64
+    assert 0 <= row["test_before"] <= 100 and 0 <= row["test_after"] <= 100
+    assert row["gain"] == pytest.approx(row["test_after"] - row["test_before"])
+    assert_positive_finite(row, "build_s", "learner_s_median", "wall_s")

@@ -205,3 +205,37 @@ def test_pipeline_modes_bench_runs_each_mode_end_to_end(
         for line in (tmp_path / "continuous-0" / "metrics.jsonl").read_text().splitlines()
     ]
     assert all(0 < length <= 24 for length in lengths)
+
+
+# An arm of each claim (`--arms`), so that every claim's plan, runs and report are exercised.
+CLAIM_ARMS = {"pilot": "*", "a": "continuous", "b": "grpo+mask/N16", "c": "bed/N1", "d": "K2",
+              "e": "U2", "f": "grpo+mask"}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_every_claim_runs(generator_address, in_flight_server, tiny_llama, tmp_path):
+    """One seed, two updates, one arm of each claim on the tiny model (its own sizes and
+    context), then the claims table from the records alone."""
+    generators = f"drain={generator_address},in-flight-keep={in_flight_server.address}"
+    tiny = [f"--config.model.path={tiny_llama}", "--config.rollout.prompts_per_batch=2",
+            "--config.rollout.max_prompt_tokens=48", "--config.generator.max_model_len=256",
+            *QUICK]  # fmt: skip
+    for claim, arms in CLAIM_ARMS.items():
+        run(["-m", "jaxrlhf.experiments.claims", "--claim", claim, "--arms", arms, "--seeds",
+             "0", "--steps", "2", "--eval-every", "1", "--out", str(tmp_path),
+             "--generator-addresses", generators, *tiny])  # fmt: skip
+        record = json.loads((tmp_path / claim / "claim.json").read_text())
+        assert record["settings"]["seeds"] == [0] and (tmp_path / claim / "claim.png").exists()
+    # The pilot's runs are claim (a)'s first arms: (a) ran continuous alone and pairs all three.
+    folders = sorted(p.parent.parent.name for p in (tmp_path / "a").glob("*/seed0/summary.json"))
+    assert folders == ["continuous", "one-step-off", "sync"]
+    log = (tmp_path / "a" / "continuous" / "seed0" / "run.log").read_text()
+    assert "swaps: in-flight, KV keep" in log
+    for claim, arm in (("b", "grpo+mask/N16"), ("c", "bed/N1"), ("d", "K2"), ("e", "U2"),
+                       ("f", "grpo+mask")):  # fmt: skip
+        assert (tmp_path / claim / arm / "seed0" / "summary.json").exists(), (claim, arm)
+    metrics = (tmp_path / "e" / "U2" / "seed0" / "metrics.jsonl").read_text()
+    assert [json.loads(line)["step"] for line in metrics.splitlines()] == [1, 2]
+    table = run(["-m", "jaxrlhf.experiments.claims", "--report-only", "--out", str(tmp_path)])
+    assert table == (tmp_path / "claims.md").read_text()
+    assert table.count("\n| ") >= len(CLAIM_ARMS)

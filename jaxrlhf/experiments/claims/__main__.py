@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import sys
 from collections.abc import Sequence
@@ -33,6 +34,9 @@ def parse_args(argv: Sequence[str] | None):
     parser.add_argument("--generator-addresses", default="",
                         help="running services (as the other experiments' flag)")  # fmt: skip
     parser.add_argument("--rerun", action="store_true", help="rerun runs already finished")
+    parser.add_argument("--arms", default="",
+                        help='run only the arms matching these patterns, e.g. "sync,grpo*/N16" '
+                             "(the report still reads every arm's records)")  # fmt: skip
     args, extra = parser.parse_known_args(argv)
     args.passthrough = parse_passthrough(parser, extra)
     if args.claim is None and not args.report_only:
@@ -62,7 +66,13 @@ def run_claim(claim: str, args) -> dict:
     if not args.report_only:
         runner = Runner(CONFIGS / "bed.py", out / claim, f"claim {claim}",
                         args.generator_addresses, rerun=args.rerun)  # fmt: skip
-        runner.run_all(runs, last=5)
+        patterns = [p for p in args.arms.split(",") if p]
+        chosen = [run for run in runs if not patterns
+                  or any(fnmatch.fnmatch(run.labels["arm"], p) for p in patterns)]  # fmt: skip
+        if not chosen:
+            sys.exit(f"--arms {args.arms!r} matches no arm of claim {claim}: "
+                     f"{', '.join(sorted({r.labels['arm'] for r in runs}))}")  # fmt: skip
+        runner.run_all(chosen, last=5)
     record = analyse(claim, runs, settings)
     record |= {"title": TITLES[claim], "paper": PAPER.get(claim, "-"),
                "settings": {"seeds": list(settings.seeds), "steps": settings.steps,

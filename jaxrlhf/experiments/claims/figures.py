@@ -111,9 +111,10 @@ def claims_table(records: dict[str, dict[str, Any]], titles: dict[str, str],
     for claim, record in records.items():
         if claim == "pilot":
             continue
-        findings = record.get("comparisons", [])
+        findings = [f for f in record.get("comparisons", []) if f["seeds"] >= 2]
         ours = "; ".join(f"{f['name']}: {f['mean']:+.1f} [{f['low']:+.1f}, {f['high']:+.1f}], "
-                         f"{f['seeds']}" for f in findings[:4]) or "no runs yet"  # fmt: skip
+                         f"{f['seeds']}" for f in findings[:4])  # fmt: skip
+        ours = ours or "not yet two paired seeds"
         if len(findings) > 4:
             ours += f" (+{len(findings) - 4} more)"
         verdict = record.get("verdict", {}).get("word", "-")
