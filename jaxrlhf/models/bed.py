@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxrlhf.models.built import COMPLETE, built_once, cache_dir
-from jaxrlhf.models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+from jaxrlhf.models.tiny import SPECIAL_TOKENS, save_chat_tokenizer
 
 # Raise when a change to this file or to the SFT stage changes what a build writes: every
 # cached bed is then built again (the digest names the folder).
@@ -122,22 +122,12 @@ def vocabulary() -> list[str]:
 def make_tokenizer(path: str | os.PathLike):
     """Writes the bed's tokenizer (module docstring) to `path` and returns it."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate(vocabulary())}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(_PIECES), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()  # the tokens' text, concatenated
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(path))
-    return fast
+    return save_chat_tokenizer(tokenizer, path)
 
 
 def token_id(token: str) -> int:

@@ -114,7 +114,6 @@ TINY_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 def make_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 384):
     """Trains a byte-level BPE tokenizer on a tiny corpus and saves it (with a ChatML template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -126,6 +125,14 @@ def make_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = 384):
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return save_chat_tokenizer(tokenizer, path)
+
+
+def save_chat_tokenizer(tokenizer, path: str | os.PathLike):
+    """`tokenizer` (a `tokenizers.Tokenizer`) as a transformers tokenizer with the special
+    tokens and ChatML template above, saved to `path` and returned."""
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<|im_start|>",
