@@ -202,6 +202,10 @@ def train_keys() -> dict:
         # it. A step (total_steps, policy versions, staleness, checkpoints) is still one batch.
         updates_per_batch=1,
         log_every=1,
+        # metrics.jsonl records each step's `samples_returned` ([prompt id, sample index] of every
+        # sample, as it came back: the soak's exactly-once check); most of a record's bytes, so
+        # experiments whose records are committed turn it off.
+        log_samples_returned=True,
     )
 
 

@@ -336,7 +336,11 @@ def train_one_step(
         "prompts": len(rollout.prompts),
         "samples": len(rollout.samples),
         "prompt_ids": [p.id for p in rollout.prompts],  # the batch's, in the schedule's order
-        "samples_returned": samples_returned(rollout),
+        **(
+            {"samples_returned": samples_returned(rollout)}
+            if cfg.train.log_samples_returned
+            else {}
+        ),
         **(fleet.step() if fleet is not None else {}),
         **staleness,
         "generation_tokens_per_s": rollout.num_tokens / max(rollout.generate_seconds, 1e-9),

@@ -152,3 +152,14 @@ def test_step_records_say_what_the_generator_returned(setup, tmp_path):
         assert record["token_staleness_mean"] == pytest.approx(old_tokens / sum(lengths))
         assert record["staleness_max"] == record["token_staleness_max"] == 1
     assert any(r["mixed_version_fraction"] > 0 for r in result.metrics)
+
+
+def test_a_run_can_leave_the_returned_samples_out_of_its_records(setup, tmp_path):
+    """`train.log_samples_returned=False` (committed experiment records): the rest stays."""
+    model_dir, task, ids = setup
+    config = learning_config(tmp_path, "rloo", 1, 1e-2)
+    config.train.log_samples_returned = False
+    generator = JaxGenerator(model_dir, *ids)
+    result = within(RUN_S, lambda: run_rlhf(config, model_dir, task, generator, lambda m: None))
+    (record,) = result.metrics
+    assert "samples_returned" not in record and len(record["prompt_ids"]) == record["prompts"]

@@ -59,6 +59,7 @@ def _run(out: Path, claim: str, arm: str, seed: int, settings: Settings,
         "eval.test": True,
         "eval.every": every,
         "eval.test_every": every,
+        "train.log_samples_returned": False,  # most of a record's bytes; records are committed
     }
     return PlannedRun({"arm": arm, "seed": seed, **labels}, folder,
                       {**base, **overrides, **dict(settings.passthrough)})  # fmt: skip
