@@ -41,7 +41,7 @@ run: install
 # Two workers (pytest-xdist): most engine tests keep one core busy. Tests sharing a module's or
 # package's server run on one worker (tests/conftest.py); XDIST=0 runs them in this process.
 XDIST ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(XDIST) --dist loadgroup
+PYTEST := $(BIN)/python -m pytest -q -n $(XDIST) --dist loadgroup --durations=20
 
 test: install
 	$(PYTEST) --timeout=900 $(ARGS)
