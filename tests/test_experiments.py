@@ -849,3 +849,28 @@ def test_compute_plans_each_variant_one_step_off(tmp_path):
     assert config.train.updates_per_batch == 4 and config.rollout.min_response_tokens == 16
     with pytest.raises(SystemExit):  # the last update must be evaluated
         compute._parse_args(["--steps", "10", "--eval-every", "4"])
+
+
+@pytest.mark.parametrize("model", ["bed", "bed-l"])
+@pytest.mark.parametrize("name", ["async_vs_sync", "offpolicy", "compute"])
+def test_model_bed_plans_every_experiment_on_configs_bed(name, model, tmp_path):
+    """`--model bed` (any size) runs configs/bed.py's workload, seeds given as a range; every
+    planned run's config validates. The larger sizes name their model; "bed" is the file's."""
+    import importlib
+
+    from jaxrlhf.config import validate
+    from jaxrlhf.experiments import config_file_for, load_config
+
+    experiment = importlib.import_module(f"jaxrlhf.experiments.{name}")
+    extra = {"compute": ["--vary", "rollout.samples_per_prompt=4,8"],
+             "offpolicy": ["--mini-batches", "1,4"]}.get(name, [])  # fmt: skip
+    args = experiment._parse_args(["--model", model, "--seeds", "0-1", "--steps", "4", "--out",
+                                   str(tmp_path), *extra])  # fmt: skip
+    runs = experiment.plan(args, tmp_path)
+    assert config_file_for(model) == REPO / "configs" / "bed.py"
+    assert runs and {r.labels["seed"] for r in runs} == {0, 1}
+    for run in runs:
+        config = load_config(config_file_for(model), run.overrides)
+        validate(config)
+        assert config.model.path == model and config.total_steps == 4
+        assert ("model.path" in run.overrides) == (model != "bed")
