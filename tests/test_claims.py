@@ -63,6 +63,25 @@ def test_async_as_good_is_supported_only_above_the_margin(tmp_path):
     assert all(c["low"] > -2 for c in record["comparisons"])
 
 
+def test_a_deficit_beyond_noise_inside_the_margin_is_as_good_and_named(tmp_path):
+    settings = Settings(seeds=tuple(range(6)), steps=4, eval_every=2)
+    runs = PLANS["a"](settings, tmp_path)
+    # continuous 1.0 or 1.2 points below sync, alternately: mean −1.1, s.d. 0.1095, s.e.
+    # 0.0447, 95% CI −1.1 ± 2.571 · 0.0447 = [−1.215, −0.985]: beyond noise (p < 1e-5, Holm
+    # over 2 rejects it), wholly below 0, but above −2. One-step-off equals sync.
+    for run in runs:
+        seed, arm = run.labels["seed"], run.labels["arm"]
+        below = (0.010 + 0.002 * (seed % 2)) if arm == "continuous" else 0.0
+        write_run(run.folder, 0.5 + 0.01 * seed - below)
+    record = analyse("a", runs, settings)
+    cont = {c["name"]: c for c in record["comparisons"]}["continuous − sync"]
+    assert cont["mean"] == pytest.approx(-1.1) and cont["beyond_noise"]
+    assert cont["low"] == pytest.approx(-1.215, abs=1e-3) and cont["high"] < 0
+    assert record["verdict"]["word"] == "supported"
+    assert "continuous − sync: lower beyond noise, inside the 2-point margin" in (
+        record["verdict"]["detail"])  # fmt: skip
+
+
 def test_a_pilot_gives_the_spread_and_the_seeds_it_needs(tmp_path):
     settings = Settings(seeds=(0, 1, 2, 3), steps=4, eval_every=2)
     runs = PLANS["pilot"](settings, tmp_path)

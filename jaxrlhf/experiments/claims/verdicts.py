@@ -25,16 +25,24 @@ from jaxrlhf.experiments.stats import compare
 
 
 def async_as_good(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
-    """(a) one-step-off − sync and continuous − sync on test accuracy (2 comparisons).
-    Supported: both 95% intervals lie above −2 points (as good within 2 points);
-    contradicted: one lies below 0 and Holm calls it beyond noise (worse)."""
+    """(a) one-step-off − sync and continuous − sync on test accuracy (2 comparisons), judged
+    against the margin of "as good", 2 points (an equivalence margin, as the field states
+    non-inferiority). Supported: both 95% intervals lie above −2 points; contradicted: one
+    lies wholly below −2 points and Holm calls it beyond noise (worse by more than the
+    margin); else unresolved. A difference beyond noise but inside the margin is named in
+    the detail. (Until 2026-12-05 a difference wholly below 0 and beyond noise contradicted
+    the claim even inside the margin, against this function's own margin; changed while
+    claim (a) was at 12 of its 20 seeds, BENCHMARKS.md says so.)"""
     findings = family([Finding(f"{arm} − sync", paired(arms, arm, "sync"))
                        for arm in ("one-step-off", "continuous") if arm in arms])  # fmt: skip
     if not findings:
         return findings, Verdict("unresolved at this power", "no finished runs")
-    worse = [f for f in findings if f.beyond_noise and f.comparison.high < 0]
+    worse = [f for f in findings if f.beyond_noise and f.comparison.high < -MARGIN]
     good = [f for f in findings if f.comparison.low > -MARGIN]
+    lower = [f.name for f in findings if f.beyond_noise and -MARGIN <= f.comparison.high < 0]
     detail = "; ".join(f"{f.name}: {interval(f.comparison)}" for f in findings)
+    if lower:
+        detail += f" ({', '.join(lower)}: lower beyond noise, inside the {MARGIN:g}-point margin)"
     if worse:
         return findings, Verdict("contradicted", detail)
     if len(good) == len(findings) and all(f.comparison.seeds >= 2 for f in findings):
