@@ -99,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                for c in ORDER if (out / c / "claim.json").exists()}  # fmt: skip
     if not records:
         sys.exit(f"no claim recorded in {out}: run one with --claim")
+    for claim in ORDER:  # a claim not run yet keeps its row
+        records.setdefault(claim, {"verdict": {"word": "not run yet"}})
     table = claims_table(records, TITLES, PAPER)
     (out / "claims.md").write_text(table + "\n")
     print(table)

@@ -114,7 +114,7 @@ def claims_table(records: dict[str, dict[str, Any]], titles: dict[str, str],
         findings = [f for f in record.get("comparisons", []) if f["seeds"] >= 2]
         ours = "; ".join(f"{f['name']}: {f['mean']:+.1f} [{f['low']:+.1f}, {f['high']:+.1f}], "
                          f"{f['seeds']}" for f in findings[:4])  # fmt: skip
-        ours = ours or "not yet two paired seeds"
+        ours = ours or ("-" if "comparisons" not in record else "not yet two paired seeds")
         if len(findings) > 4:
             ours += f" (+{len(findings) - 4} more)"
         verdict = record.get("verdict", {}).get("word", "-")
