@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxrlhf.experiments.claims.figures import markdown
 from jaxrlhf.experiments.claims.plans import PLANS, Settings, loss_cells
 from jaxrlhf.experiments.claims.verdicts import analyse
 
@@ -16,7 +17,8 @@ def write_run(folder: Path, test: float, validation: float = 0.5, kl: float = 0.
               steps: int = 4) -> None:  # fmt: skip
     """A finished run's records: `steps` steps, an evaluation at step 2, accuracies in [0, 1]."""
     folder.mkdir(parents=True, exist_ok=True)
-    records = [{"step": s, "step_s": 0.5, "kl": kl * s / steps, "staleness_mean": 1.0,
+    records = [{"step": s, "step_s": 0.5, "kl": kl * s / steps, "staleness_mean": min(s - 1, 1),
+                "token_staleness_max": min(s - 1, 1),
                 "mixed_version_fraction": 0.0, "learner_idle_fraction": 0.1,
                 **({"test_accuracy": test / 2, "eval_accuracy": validation / 2} if s == 2 else {})}
                for s in range(1, steps + 1)]  # fmt: skip
@@ -49,6 +51,11 @@ def test_async_as_good_pairs_by_seed_and_judges_by_the_interval(tmp_path):
     assert record["verdict"]["word"] == "contradicted"
     rows = {r["arm"]: r for r in record["rows"]}
     assert rows["sync"]["test"] == pytest.approx(60.0) and rows["sync"]["seeds"] == 3
+    # The records: staleness 0 at update 1, then 1; the oldest token 1 version behind.
+    assert (
+        rows["sync"]["staleness_later"] == [1.0, 1.0] and rows["sync"]["token_staleness_max"] == 1
+    )
+    assert "| 1.00-1.00 | 1 |" in markdown(record)
 
 
 def test_async_as_good_is_supported_only_above_the_margin(tmp_path):

@@ -59,6 +59,15 @@ def run_figures(run: PlannedRun, last: int = 5) -> dict[str, Any] | None:
         "mixed_version_fraction": mean_of("mixed_version_fraction", later),
         "learner_idle_fraction": mean_of("learner_idle_fraction", later),
         "staleness_mean": mean_of("staleness_mean", records),
+        # The defect checks (BENCHMARKS.md): each update's staleness after the first, and the
+        # oldest token of the run.
+        "staleness_later": [
+            min(r["staleness_mean"] for r in later),
+            max(r["staleness_mean"] for r in later),
+        ],  # fmt: skip
+        "token_staleness_max": max(
+            (r.get("token_staleness_max", math.nan) for r in records), default=math.nan
+        ),  # fmt: skip
     }
 
 
@@ -92,6 +101,11 @@ def arm_rows(arms: dict[str, dict[int, dict[str, Any]]], planned: dict[str, int]
             values = [f[key] for f in seeds.values()
                       if f.get(key) is not None and math.isfinite(f[key])]  # fmt: skip
             row[key], row[f"{key}_stderr"] = mean_stderr(values)
+        ranges = [f["staleness_later"] for f in seeds.values()]
+        row["staleness_later"] = ([min(r[0] for r in ranges), max(r[1] for r in ranges)]
+                                  if ranges else [math.nan, math.nan])  # fmt: skip
+        row["token_staleness_max"] = max((f["token_staleness_max"] for f in seeds.values()),
+                                         default=math.nan)  # fmt: skip
         rows.append(row)
     return rows
 

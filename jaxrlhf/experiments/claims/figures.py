@@ -72,8 +72,9 @@ def _mean_curve(runs: Sequence[list[dict]]) -> list[tuple[float, float]]:
 def markdown(record: dict[str, Any]) -> str:
     """The arms (test and validation accuracy, KL, mixed-version share, learner idle share,
     seeds) and the comparisons (mean ± s.e., 95% interval, p, beyond noise)."""
-    lines = ["| arm | seeds | test % | validation % | KL | mixed | learner idle |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| arm | seeds | test % | validation % | KL | mixed | learner idle "
+             "| staleness, updates 2+ (min-max) | oldest token |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in record["rows"]:
         cells = [format_mean_stderr(r["test"], r["test_stderr"]),
                  format_mean_stderr(r["validation"], r["validation_stderr"]),
@@ -81,7 +82,9 @@ def markdown(record: dict[str, Any]) -> str:
                  format_mean_stderr(r["mixed_version_fraction"], r["mixed_version_fraction_stderr"],
                                     digits=2),
                  format_mean_stderr(r["learner_idle_fraction"], r["learner_idle_fraction_stderr"],
-                                    digits=2)]  # fmt: skip
+                                    digits=2),
+                 "{:.2f}-{:.2f}".format(*r.get("staleness_later", (math.nan, math.nan))),
+                 f"{r.get('token_staleness_max', math.nan):g}"]  # fmt: skip
         lines.append(f"| {r['arm']} | {r['seeds']}/{r['planned']} | {' | '.join(cells)} |")
     findings = record.get("comparisons", [])
     if findings:
