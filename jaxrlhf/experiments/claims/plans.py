@@ -214,8 +214,8 @@ def mixed_variants(settings: Settings) -> list[str]:
 
 
 def plan_mixed(settings: Settings, out: Path, extra: dict[str, Any] | None = None):
-    """Continuous generation with in-flight swaps, one step off, on an engine that generation
-    binds (`MIXED_WORKLOAD`, `extra` to try others): a sample's tail continues on the weights
+    """Continuous generation with in-flight swaps on a workload that generation binds
+    (`MIXED_WORKLOAD`, `extra` to try others): a sample's tail continues on the weights
     published meanwhile."""
     return [
         _run(
@@ -240,9 +240,19 @@ def plan_mixed(settings: Settings, out: Path, extra: dict[str, Any] | None = Non
     ]
 
 
-# Generation-bound continuous generation on the bed: an engine of 4 sequences for 128 samples a
-# batch, so a sample waits and runs while the learner takes several updates and publishes.
-MIXED_WORKLOAD = {"generator.max_num_seqs": 4, "generator.generate_timeout_s": 600.0}
+# Generation-bound continuous generation on the bed, where ≥ 30% of samples span a publish.
+# The bed's responses are at most 4 tokens, so a sample spans one only when a swap lands
+# between its first and last token: the engine takes every sample of two batches at once
+# (1024 sequences), a batch is 32 prompts x 8 (half the bed's: the learner's update, 0.16 s,
+# then publishes more often than a batch's generation ends), and the generator may run two
+# versions ahead, so it is never idle at a swap. Chosen on the share of mixed samples alone,
+# one seed of Online DPO each (results/claims/f-workload.md): 43% here; 14% one version
+# ahead; 21-26% with the bed's 64 prompts a batch; 0.5% with an engine of 4 sequences.
+MIXED_WORKLOAD = {
+    "generator.max_num_seqs": 1024,
+    "rollout.prompts_per_batch": 32,
+    "max_staleness": 2,
+}
 
 PLANS = {
     "pilot": plan_pilot,
