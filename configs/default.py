@@ -16,5 +16,4 @@ def get_config():
     config.rollout.prompts_per_batch = 8
     config.train.learning_rate = 1e-5
     config.total_steps = 8
-    config.eval.every = 4  # one held-out point mid-run, for the plot
     return config

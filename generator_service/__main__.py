@@ -32,6 +32,8 @@ KV_CACHE_ENV = "JAXRLHF_KV_CACHE_GIB"
 # The default of --engine-executor for every server started in this environment (the test suite
 # sets "uni": one process fewer per engine start).
 EXECUTOR_ENV = "JAXRLHF_ENGINE_EXECUTOR"
+# The default of --engine-threads (the test suite sets 1: its engines compute on one core each).
+THREADS_ENV = "JAXRLHF_ENGINE_THREADS"
 # Set: a refused --model also prints the traceback behind it (as jaxrlhf's entry points do).
 TRACEBACK_ENV = "JAXRLHF_TRACEBACK"
 # What to change when the engine cannot start (out of memory is the usual cause).
@@ -86,6 +88,14 @@ def _add_engine_options(group) -> None:
         "torch import less memory, but the model computes on torch's thread count there (1 "
         "when one core is reserved), so use it only where the engine computes on one core, as "
         f"on a 2-core machine (default: ${EXECUTOR_ENV} if set, else vLLM's)",
+    )
+    group.add_argument(
+        "--engine-threads",
+        type=int,
+        default=int(os.environ.get(THREADS_ENV) or 0),
+        help="with --engine-executor uni: torch's threads in the engine (its OMP_NUM_THREADS); 0: "
+        "the cores this process may run on less --cpu-reserved-cores when that is given, else "
+        f"vLLM's choice, one (default: ${THREADS_ENV} if set, else 0)",
     )
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument(
@@ -203,10 +213,23 @@ def option_error(args: argparse.Namespace) -> str | None:
         return f"--stage-threads={args.stage_threads}: must be >= 0"
     if args.cpu_reserved_cores is not None and args.cpu_reserved_cores < 0:
         return f"--cpu-reserved-cores={args.cpu_reserved_cores}: must be >= 0"
+    if args.engine_threads < 0:
+        return f"--engine-threads={args.engine_threads}: must be >= 0"
     if args.engine_executor == "uni" and args.tensor_parallel_size != 1:
         return (f"--engine-executor uni runs one worker, but --tensor-parallel-size="
                 f"{args.tensor_parallel_size} needs one per device")  # fmt: skip
     return None
+
+
+def engine_threads(args: argparse.Namespace) -> int | None:
+    """Torch's threads in a `uni` engine, which computes in vLLM's engine-core process (None:
+    vLLM's choice): --engine-threads, else every core this process may run on less the
+    reserved ones, when --cpu-reserved-cores is given."""
+    if args.engine_threads:
+        return args.engine_threads
+    if args.cpu_reserved_cores is None:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) - args.cpu_reserved_cores)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -269,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         # vLLM's CPU platform turns "uni" into "mp" unless its own engine process hosts the
         # worker (AsyncLLM still runs the engine core in a process of its own).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        threads = engine_threads(args)
+        if threads:
+            # vLLM keeps torch at an OMP_NUM_THREADS set from outside, else it computes on one.
+            os.environ["OMP_NUM_THREADS"] = str(threads)
     lead_process_group()
     stop_with_parent()
     logging.basicConfig(

@@ -19,6 +19,8 @@ os.environ.setdefault("JAXRLHF_KV_CACHE_GIB", "0.25")
 # computes on one core either way). tests/generator_service/test_lifecycle.py starts the
 # default (a worker process of its own) and checks it.
 os.environ.setdefault("JAXRLHF_ENGINE_EXECUTOR", "uni")
+# ... on one core each (`--engine-threads`), two workers' engines and learners sharing 2 cores.
+os.environ.setdefault("JAXRLHF_ENGINE_THREADS", "1")
 # JAX's persistent compilation cache, shared by both workers and every process they start: the
 # suite's many whole runs of the tiny config compile the same programs
 # (tests/test_supervised_resume.py: 34 s with an empty cache, 24 s with a warm one).

@@ -138,6 +138,8 @@ def test_generators_in_another_swap_mode_are_refused():
             "config.rollout.min_response_tokens=17: must be in [0, max_response_tokens=16]",
         ),
         ("generator.cpu_reserved_cores", -2, "config.generator.cpu_reserved_cores=-2: must be"),
+        ("generator.engine_executor", "ray",
+         "config.generator.engine_executor='ray': must be 'uni', 'mp' or ''"),
         ("rollout.max_running", -1, "config.rollout.max_running=-1: must be >= 0"),
         ("generator.swap_mode", "in-flight",
          'config.rollout.max_running=2 needs config.generator.swap_mode="drain"'),
@@ -183,6 +185,34 @@ def test_a_started_generator_computes_on_every_core_unless_told():
     assert args[args.index("--cpu-reserved-cores") + 1] == "0"
     gen.cpu_reserved_cores = -1  # vLLM's own default
     assert "--cpu-reserved-cores" not in engine_args(gen)
+
+
+def test_a_started_generator_runs_its_model_in_the_engine_core_unless_told():
+    from jaxrlhf.config import base_config
+    from jaxrlhf.rl.service import engine_args
+
+    gen = base_config().generator
+    args = engine_args(gen)
+    assert args[args.index("--engine-executor") + 1] == "uni"
+    gen.engine_executor = ""  # the service's own default
+    assert "--engine-executor" not in engine_args(gen)
+
+
+def test_a_uni_engine_computes_on_the_cores_left_to_it(monkeypatch):
+    from generator_service.__main__ import engine_threads, option_error, parse_args
+
+    monkeypatch.delenv("JAXRLHF_ENGINE_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    base = ["--model", "m", "--engine-executor", "uni"]
+    assert engine_threads(parse_args(base)) is None  # vLLM's choice: one
+    assert engine_threads(parse_args([*base, "--cpu-reserved-cores", "0"])) == 4
+    assert engine_threads(parse_args([*base, "--cpu-reserved-cores", "1"])) == 3
+    assert engine_threads(parse_args([*base, "--cpu-reserved-cores", "9"])) == 1
+    given = parse_args([*base, "--cpu-reserved-cores", "0", "--engine-threads", "2"])
+    assert engine_threads(given) == 2
+    assert option_error(parse_args([*base, "--engine-threads", "-1"])) == (
+        "--engine-threads=-1: must be >= 0"
+    )
 
 
 def test_a_started_generator_stages_its_swaps_unless_told():

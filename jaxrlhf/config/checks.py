@@ -114,6 +114,12 @@ def _check_generator(config: ml_collections.ConfigDict) -> None:
         reserved >= -1,
         f"config.generator.cpu_reserved_cores={reserved}: must be >= 0 (-1 = vLLM's default)",
     )
+    executor = config.generator.engine_executor
+    _require(
+        executor in ("", "uni", "mp"),
+        f"config.generator.engine_executor={executor!r}: must be 'uni', 'mp' or '' (the "
+        "service's default)",
+    )
     transports = ("auto", "stream", "shared")
     _require(
         config.generator.weight_transport in transports,

@@ -243,6 +243,11 @@ def generator_keys() -> dict:
         # (-1 = vLLM's default, one). 0: greedy evaluation, which runs while the learner waits,
         # uses every core (twice as fast on 2 cores; README, "The generator service").
         cpu_reserved_cores=0,
+        # Where vLLM runs the model of a locally started generator (`--engine-executor`): "uni",
+        # in its engine-core process, computing on the cores cpu_reserved_cores leaves (one
+        # process and one torch import fewer than "mp": `make run`'s engine ready ~7 s sooner);
+        # "mp", a worker process of its own (vLLM's choice on CPU); "" = the service's default.
+        engine_executor="uni",
         # How weights reach the generators: "auto" = through a shared-memory file when every
         # generator runs on this host, else streamed over gRPC; "stream"; "shared".
         weight_transport="auto",

@@ -83,6 +83,7 @@ def engine_args(gen) -> list[str]:
         *(["--max-num-seqs", str(gen.max_num_seqs)] if gen.max_num_seqs else []),
         *(["--cpu-reserved-cores", str(gen.cpu_reserved_cores)]
           if gen.cpu_reserved_cores >= 0 else []),
+        *(["--engine-executor", gen.engine_executor] if gen.engine_executor else []),
     ]  # fmt: skip
 
 

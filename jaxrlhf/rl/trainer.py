@@ -235,18 +235,24 @@ def save_checkpoint(checkpointer, step: int, cfg, publisher: Publisher, producer
     checkpointer.save(step, publisher.learner.state, meta, force=True)
 
 
+def build_learner(config, model_path: Path, reward_model=None) -> Learner:
+    """The learner of `run_rlhf` on the configured mesh (a caller may build it while its
+    generators start: `jaxrlhf.stages.rlhf`)."""
+    return Learner(config, model_path, make_mesh(tuple(config.mesh.shape)), reward_model)
+
+
 def run_rlhf(config, model_path: Path, task: Task, pool: GeneratorPool | None, log,
-             reward_model=None) -> RunResult:  # fmt: skip
+             reward_model=None, learner: Learner | None = None) -> RunResult:  # fmt: skip
     """Runs (or resumes) the RLHF loop against already-serving generator replicas.
 
     Over several processes (`jaxrlhf.distributed`) every process runs this; only the driver has
     a `pool` (None elsewhere), runs the rollout producer and writes files. `reward_model(mesh)`:
-    the task's reward-model scorer (`Learner`), None for a verifiable task.
+    the task's reward-model scorer (`Learner`), None for a verifiable task. `learner`: one
+    built already by `build_learner` with the same arguments (else built here).
     """
     cfg, driver, out = config, is_driver(), Path(config.output_dir)
-    mesh = make_mesh(tuple(cfg.mesh.shape))
-    learner = Learner(cfg, model_path, mesh, reward_model)
-    log(f"learner mesh {dict(mesh.shape)} over {jax.process_count()} process(es)")
+    learner = learner or build_learner(cfg, model_path, reward_model)
+    log(f"learner mesh {dict(learner.mesh.shape)} over {jax.process_count()} process(es)")
     learner.spec.check(cfg.rollout.samples_per_prompt, has_value_model=learner.value is not None)
     checkpointer = Checkpointer(out / "checkpoints", cfg.checkpoint.every)
     start = begin(cfg, learner, pool, model_path, checkpointer, log)

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from jaxrlhf.config import model_options
@@ -14,7 +15,7 @@ from jaxrlhf.models.paths import resolve_model
 from jaxrlhf.rl.pool import GeneratorPool, Timeouts
 from jaxrlhf.rl.service import engine_args, start_server
 from jaxrlhf.rl.tasks import build_task
-from jaxrlhf.rl.trainer import run_rlhf
+from jaxrlhf.rl.trainer import build_learner, run_rlhf
 from jaxrlhf.stages.reward import RewardScorer
 
 
@@ -84,6 +85,19 @@ def check_swap_mode(gen, targets, statuses) -> None:
         )
 
 
+@contextlib.contextmanager
+def learner_while_generators_start(config, model_path: Path, log, reward):
+    """(pool, learner): the learner is built (the model read onto the mesh, the reference and
+    the optimizer state made) while `generator_pool` starts its generator, whose start is
+    mostly one process importing on one core (`make run`: 27 s, with the other core free)."""
+    # Leaving the executor waits for the start, then the stack stops what started, even when
+    # building the learner failed.
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(1) as background:
+        starting = background.submit(stack.enter_context, generator_pool(config, model_path, log))
+        learner = build_learner(config, model_path, reward)
+        yield starting.result(), learner
+
+
 def reward_model(config):
     """mesh -> the scorer of `config.task.reward_model` on it (None: the task's verifier)."""
     if not config.task.reward_model:
@@ -101,8 +115,8 @@ def run(config, model_path: Path, log) -> dict:
     task = build_task(config, tokenizer, test=config.eval.test)
     reward = reward_model(config)
     if is_driver():  # the only process that talks to the generators (jaxrlhf.distributed)
-        with generator_pool(config, model_path, log) as pool:
-            result = run_rlhf(config, model_path, task, pool, log, reward)
+        with learner_while_generators_start(config, model_path, log, reward) as (pool, learner):
+            result = run_rlhf(config, model_path, task, pool, log, reward, learner)
     else:
         result = run_rlhf(config, model_path, task, None, log, reward)
     summary = {**result.summary, "total_seconds": time.perf_counter() - started}

@@ -75,3 +75,27 @@ def test_smollm2_float32_within_torch_float32_error(smollm2, hf64, seed, monkeyp
     torch_lp_err = np.abs(hf_token_logprobs(ref32, ids) - hf_token_logprobs(ref64, ids))[scored]
     assert lp_err.max() <= 2 * torch_lp_err.max()  # measured 1.56x on the Intel Xeon
     assert lp_err.mean() <= 1.5 * torch_lp_err.mean()
+
+
+def test_one_gguf_reader_shares_the_readers_within_the_block_and_restores_them(tmp_path):
+    import gguf
+    import numpy as np
+
+    from jaxrlhf.models.smollm2 import one_gguf_reader
+
+    path = str(tmp_path / "small.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("token_embd.weight", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    arch = next(iter(gguf.MODEL_ARCH_NAMES))
+    with one_gguf_reader():
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is first
+        assert first.tensors[0].data.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 2)
