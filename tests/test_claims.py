@@ -118,6 +118,26 @@ def test_the_loss_claim_compares_falls_from_on_policy(tmp_path):
     assert only["beyond_noise"] and record["verdict"]["word"] == "supported"
 
 
+def test_k4_against_k2_counts_updates_and_learner_seconds_to_the_target(tmp_path):
+    settings = Settings(seeds=(0, 1, 2), steps=4, eval_every=2)
+    runs = PLANS["d"](settings, tmp_path)
+    # Both arms end at 50% validation: the target is 50% test. K2 ends at 60% test (30% at
+    # step 2): it reaches the target at step 4, after 4 x 0.5 s. K4 ends at 100% (50% at step
+    # 2: reached there, after 1 s) for seeds 0 and 1, and at 90% (45% at step 2) for seed 2.
+    for run in runs:
+        k4 = run.labels["samples_per_prompt"] == 4
+        write_run(run.folder, (0.9 if run.labels["seed"] == 2 else 1.0) if k4 else 0.6)
+    record = analyse("d", runs, settings)
+    updates, seconds, kl = record["comparisons"]
+    assert updates["name"] == "updates to 50.0% test: K4 − K2"
+    assert updates["mean"] == pytest.approx((-2 - 2 + 0) / 3)
+    assert seconds["name"] == "learner seconds to the target: K4 − K2"
+    assert seconds["mean"] == pytest.approx((-1 - 1 + 0) / 3)
+    # KL is 0.1 x step / 4: 0.05 at step 2, 0.1 at step 4.
+    assert kl["mean"] == pytest.approx((-0.05 - 0.05 + 0) / 3)
+    assert record["verdict"]["word"] == "unresolved at this power"  # 3 seeds, one at 0
+
+
 def test_loss_cells_put_corrections_at_their_n_only():
     settings = Settings(seeds=(0,), losses=("online_dpo", "grpo"), mini_batches=(1, 16),
                         corrections=("none", "mask"), correction_mini_batches=(16,))  # fmt: skip

@@ -187,15 +187,15 @@ def test_a_started_generator_computes_on_every_core_unless_told():
     assert "--cpu-reserved-cores" not in engine_args(gen)
 
 
-def test_a_started_generator_runs_its_model_in_the_engine_core_unless_told():
+def test_a_started_generator_runs_its_model_where_told():
     from jaxrlhf.config import base_config
     from jaxrlhf.rl.service import engine_args
 
     gen = base_config().generator
+    assert "--engine-executor" not in engine_args(gen)  # the service's own default
+    gen.engine_executor = "uni"
     args = engine_args(gen)
     assert args[args.index("--engine-executor") + 1] == "uni"
-    gen.engine_executor = ""  # the service's own default
-    assert "--engine-executor" not in engine_args(gen)
 
 
 def test_a_uni_engine_computes_on_the_cores_left_to_it(monkeypatch):

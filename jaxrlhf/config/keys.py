@@ -243,11 +243,13 @@ def generator_keys() -> dict:
         # (-1 = vLLM's default, one). 0: greedy evaluation, which runs while the learner waits,
         # uses every core (twice as fast on 2 cores; README, "The generator service").
         cpu_reserved_cores=0,
-        # Where vLLM runs the model of a locally started generator (`--engine-executor`): "uni",
-        # in its engine-core process, computing on the cores cpu_reserved_cores leaves (one
-        # process and one torch import fewer than "mp": `make run`'s engine ready ~7 s sooner);
-        # "mp", a worker process of its own (vLLM's choice on CPU); "" = the service's default.
-        engine_executor="uni",
+        # Where vLLM runs the model of a locally started generator (`--engine-executor`): "mp", a
+        # worker process of its own (vLLM's choice on CPU, which binds its threads to the cores);
+        # "uni", in its engine-core process, on the cores cpu_reserved_cores leaves: ready ~7 s
+        # sooner, but on 2 cores `make run`'s steps took 18.8 s against 15.8 beside the learner
+        # (BENCHMARKS.md, "Time of make run"); "" = the service's default ($JAXRLHF_ENGINE_EXECUTOR,
+        # else vLLM's).
+        engine_executor="",
         # How weights reach the generators: "auto" = through a shared-memory file when every
         # generator runs on this host, else streamed over gRPC; "stream"; "shared".
         weight_transport="auto",

@@ -49,23 +49,49 @@ def evaluate_greedy(
     wait=None,
 ) -> np.ndarray:
     """Per-prompt scores (correctness for verifiable tasks, else reward-model reward) of greedy
-    responses to `prompts` with the weights the generator serves now (the driver generates, or
-    reads them from `cache`, which must describe those weights; every process scores: a reward
-    model runs on the whole mesh). `wait(generate)`: how every process waits for the driver's
-    `generate()` (None elsewhere) and gets its result; by default a plain call (the loop's,
-    `in_background`, rejoins replicas meanwhile)."""
+    responses to `prompts` with the weights the generator serves now: `evaluate_splits` of
+    one split."""
+    splits = {"prompts": prompts}
+    return evaluate_splits(pool, task, splits, max_tokens, learner, cache, wait)["prompts"]
 
-    def generate():
-        ids, sampling = [p.token_ids for p in prompts], greedy_sampling(max_tokens)
-        responses = cache.load(ids, sampling) if cache is not None else None
-        if responses is None:
-            responses = greedy_responses(pool, prompts, max_tokens)
+
+def evaluate_splits(
+    pool: GeneratorPool | None,
+    task: Task,
+    splits: dict[str, list[PromptItem]],
+    max_tokens: int,
+    learner: Learner,
+    cache: EvaluationCache | None = None,
+    wait=None,
+) -> dict[str, np.ndarray]:
+    """Each split's per-prompt scores of greedy responses with the weights the generator serves
+    now. The driver reads a split's responses from `cache` (which must describe those weights)
+    or generates them, every split it must generate in one call (one batch keeps the engine
+    fuller than one call a split: `make run`'s validation split alone half-filled it); every
+    process scores (a reward model runs on the whole mesh). `wait(generate)`: how every process
+    waits for the driver's `generate()` (None elsewhere) and gets its result; by default a
+    plain call (the loop's, `in_background`, rejoins replicas meanwhile)."""
+
+    def generate() -> dict[str, list[tuple[int, ...]]]:
+        sampling = greedy_sampling(max_tokens)
+        responses, missing = {}, []
+        for name, prompts in splits.items():
+            ids = [p.token_ids for p in prompts]
+            responses[name] = cache.load(ids, sampling) if cache is not None else None
+            if responses[name] is None:
+                missing.append(name)
+        prompts = [p for name in missing for p in splits[name]]
+        generated = greedy_responses(pool, prompts, max_tokens) if prompts else []
+        start = 0
+        for name in missing:
+            ids = [p.token_ids for p in splits[name]]
+            responses[name], start = generated[start : start + len(ids)], start + len(ids)
             if cache is not None:
-                cache.store(ids, sampling, responses, note=f"{task.name}: {len(ids)} prompts")
+                cache.store(ids, sampling, responses[name], note=f"{task.name}: {len(ids)} prompts")
         return responses
 
     responses = (wait or call_on_driver)(generate if is_driver() else None)
-    return learner.score(task, prompts, responses)
+    return {name: learner.score(task, splits[name], responses[name]) for name in splits}
 
 
 def call_on_driver(fn):
@@ -104,9 +130,11 @@ class Evaluator:
         """The metric's name: eval_accuracy (validation), test_accuracy (or _reward)."""
         return f"{split}_{self.name}"
 
-    def scores(self, split: str, cache: EvaluationCache | None = None) -> np.ndarray:
+    def scores(self, splits, cache: EvaluationCache | None = None) -> dict[str, np.ndarray]:
+        """The per-prompt scores of each of `splits` (names), generated in one call."""
         with self.writer.paused() if self.writer is not None else contextlib.nullcontext():
-            return evaluate_greedy(self.publisher.pool, self.task, self.splits[split],
+            return evaluate_splits(self.publisher.pool, self.task,
+                                   {split: self.splits[split] for split in splits},
                                    self.cfg.rollout.max_response_tokens, self.publisher.learner,
                                    cache, self.publisher.in_background)  # fmt: skip
 
@@ -117,8 +145,8 @@ class Evaluator:
         if model_path is not None:
             cache = start_evaluation_cache(self.publisher.pool, model_path)
         at_start = {}
-        for split in self.splits:
-            at_start[split] = float(np.mean(self.scores(split, cache)))
+        for split, scores in self.scores(self.splits, cache).items():
+            at_start[split] = float(np.mean(scores))
             log(f"{_SPLIT_NAMES[split]} greedy {self.name} before training: "
                 f"{at_start[split]:.3f}")  # fmt: skip
         if cache is not None and cache.hits:
@@ -130,17 +158,19 @@ class Evaluator:
         """The evaluations due after `step` (`eval.every`, `eval.test_every`; the end of the
         run is evaluated by `after_training`)."""
         last = step == self.cfg.total_steps
-        out = {}
-        for split, every in (("eval", self.cfg.eval.every), ("test", self.cfg.eval.test_every)):
-            due = every and step % every == 0 and not (last and self.cfg.eval.at_end)
-            if due and split in self.splits:
-                out[self.key(split)] = float(np.mean(self.scores(split)))
-        return out
+        due = [
+            split
+            for split, every in (("eval", self.cfg.eval.every), ("test", self.cfg.eval.test_every))
+            if every and step % every == 0 and not (last and self.cfg.eval.at_end)
+            and split in self.splits
+        ]  # fmt: skip
+        if not due:
+            return {}
+        return {self.key(split): float(np.mean(s)) for split, s in self.scores(due).items()}
 
     def after_training(self) -> dict[str, float]:
         out = {}
-        for split in self.splits:
-            scores = self.scores(split)
+        for split, scores in self.scores(self.splits).items():
             out[f"{self.key(split)}_end"] = float(np.mean(scores))
             out[f"{self.key(split)}_end_stderr"] = standard_error(scores)
             out[f"{split}_prompts"] = len(scores)

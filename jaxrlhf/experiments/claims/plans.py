@@ -176,11 +176,14 @@ def plan_samples(settings: Settings, out: Path):
 
 # --- (e) updates per batch, generation-bound ----------------------------------------------------
 
-# The bed made generation-bound: each rollout call's samples go through the engine one at a
-# time (GenerateRequest.max_running = 1; the evaluations keep the whole engine), so a batch
-# takes its samples' times added up, longer than the learner's update. A call's deadline counts
-# that (the default, 30 s + rows x max_tokens / 50, does not).
-GENERATION_BOUND = {"rollout.max_running": 1, "generator.generate_timeout_s": 600.0}
+# The bed made generation-bound: the engine takes each rollout call's samples 16 at a time
+# (GenerateRequest.max_running; the evaluations keep the whole engine), so a batch's
+# generation takes longer than even 4 updates on it. Measured over 16 updates of U4, seed 0
+# (results/claims/e-workload/, at ca2b6c9 with the overrides in each run.log): 16 at a time,
+# 2.4 s a batch against 1.0 s of learner time for 4 updates; 8 at a time, 4.3 s (a run of
+# 64 updates: 64 x 4.3 s = 4.6 min of batches); one at a time, the first plan, slower still. A call's
+# deadline counts that (the default, 30 s + rows x max_tokens / 50, does not).
+GENERATION_BOUND = {"rollout.max_running": 16, "generator.generate_timeout_s": 600.0}
 
 
 def plan_updates(settings: Settings, out: Path):

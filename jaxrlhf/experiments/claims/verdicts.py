@@ -115,11 +115,12 @@ def first_reach(figures: dict[str, Any], target: float, split: str = "test") -> 
 
 
 def samples_sooner(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
-    """(d) K = 4 against K = 2 samples per prompt: updates to a target test accuracy, and the
-    KL there. The target is chosen on validation: the lower of the two arms' mean final
-    validation accuracies. A seed that never reaches it counts the run's length plus one
-    evaluation interval (an optimistic bound for it). Supported: K = 4 reaches it in fewer
-    updates, beyond noise; contradicted: in more, beyond noise."""
+    """(d) K = 4 against K = 2 samples per prompt: updates and the learner's seconds (the
+    loop's time per update, evaluations left out: `compute.run_curve`) to a target test
+    accuracy, and the KL there. The target is chosen on validation: the lower of the two arms'
+    mean final validation accuracies. A seed that never reaches it counts the run's length plus
+    one evaluation interval, and its whole time (an optimistic bound for it). Supported: K = 4
+    reaches it in fewer updates, beyond noise; contradicted: in more, beyond noise."""
     a, b = "K2", "K4"
     if not arms.get(a) or not arms.get(b):
         return [], Verdict("unresolved at this power", "no finished runs")
@@ -130,6 +131,10 @@ def samples_sooner(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
         point = first_reach(f, target)
         return point["step"] if point is not None else never
 
+    def seconds(f):
+        point = first_reach(f, target)
+        return point["seconds"] if point is not None else f["curve"][-1]["seconds"]
+
     def kl(f):
         point = first_reach(f, target)
         return point["kl"] if point is not None and point.get("kl") is not None else math.nan
@@ -138,6 +143,9 @@ def samples_sooner(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
     steps = compare([updates(arms[b][s]) - updates(arms[a][s]) for s in seeds])
     kls = [kl(arms[b][s]) - kl(arms[a][s]) for s in seeds]
     findings = family([Finding(f"updates to {target:.1f}% test: K4 − K2", steps),
+                       Finding("learner seconds to the target: K4 − K2",
+                               compare([seconds(arms[b][s]) - seconds(arms[a][s])
+                                        for s in seeds])),
                        Finding("KL at the target: K4 − K2",
                                compare([x for x in kls if math.isfinite(x)]))])  # fmt: skip
     detail = f"{findings[0].name}: {interval(steps)}"
