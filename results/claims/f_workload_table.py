@@ -11,7 +11,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "f-workload"
 # The keys a candidate set; the rest of each command is claim (f)'s plan for Online DPO.
-KEYS = ("generator.max_num_seqs", "max_staleness", "rollout.prompts_per_batch")
+KEYS = ("loss", "generator.max_num_seqs", "max_staleness", "rollout.prompts_per_batch")
 
 
 def overrides(run_log: Path) -> dict[str, str]:
@@ -21,9 +21,9 @@ def overrides(run_log: Path) -> dict[str, str]:
 
 
 def main() -> None:
-    print("| candidate | max_num_seqs | max_staleness | prompts a batch | updates | mixed-version "
-          "samples | validation % after |")
-    print("|---|---|---|---|---|---|---|")
+    print("| candidate | loss | max_num_seqs | max_staleness | prompts a batch | updates | "
+          "mixed-version samples | validation % after |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for folder in sorted(p for p in HERE.iterdir() if p.is_dir()):
         records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -32,10 +32,10 @@ def main() -> None:
         test = json.loads(summary.read_text()).get("eval_accuracy_end") if summary.exists() else None
         keys = overrides(folder / "run.log")
         rows.append((sum(mixed) / len(mixed), folder.name, keys, len(mixed), test))
-    for share, name, keys, steps, test in sorted(rows):
+    for share, name, keys, steps, test in sorted(rows, key=lambda row: (row[2]["loss"], row[0])):
         after = "-" if test is None else f"{100 * test:.1f}"
-        print(f"| {name} | {keys[KEYS[0]]} | {keys[KEYS[1]] or 1} | {keys[KEYS[2]] or 64} | "
-              f"{steps} | {100 * share:.1f}% | {after} |")
+        print(f"| {name} | {keys['loss']} | {keys[KEYS[1]]} | {keys[KEYS[2]] or 1} | "
+              f"{keys[KEYS[3]] or 64} | {steps} | {100 * share:.1f}% | {after} |")
 
 
 if __name__ == "__main__":

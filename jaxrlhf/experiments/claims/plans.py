@@ -245,15 +245,16 @@ def plan_mixed(settings: Settings, out: Path, extra: dict[str, Any] | None = Non
 
 # Generation-bound continuous generation on the bed, where ≥ 30% of samples span a publish.
 # The bed's responses are at most 4 tokens, so a sample spans one only when a swap lands
-# between its first and last token: the engine takes every sample of two batches at once
-# (1024 sequences), a batch is 32 prompts x 8 (half the bed's: the learner's update, 0.16 s,
-# then publishes more often than a batch's generation ends), and the generator may run two
-# versions ahead, so it is never idle at a swap. Chosen on the share of mixed samples alone,
-# one seed of Online DPO each (results/claims/f-workload.md): 43% here; 14% one version
-# ahead; 21-26% with the bed's 64 prompts a batch; 0.5% with an engine of 4 sequences.
+# between its first and last token, while the engine is busy: the learner must finish its
+# update before the batch's generation does. GRPO trains on every sample (Online DPO on two a
+# prompt), so batches are small: 4 prompts x 8 samples (0.07 s of learner time an update
+# against 0.18 s of generation), an engine that takes every sample in flight (1024 sequences),
+# and a generator up to two versions ahead, never idle at a swap. Chosen on the share of
+# mixed samples alone, one seed each (results/claims/f-workload.md): GRPO 60%, Online DPO 65%
+# here; GRPO 27% at 8 prompts and 0.5-2% at 16-32, where its update outlasts generation.
 MIXED_WORKLOAD = {
     "generator.max_num_seqs": 1024,
-    "rollout.prompts_per_batch": 32,
+    "rollout.prompts_per_batch": 4,
     "max_staleness": 2,
 }
 
