@@ -246,7 +246,7 @@ def generator_keys() -> dict:
         # Where vLLM runs the model of a locally started generator (`--engine-executor`): "mp", a
         # worker process of its own (vLLM's choice on CPU, which binds its threads to the cores);
         # "uni", in its engine-core process, on the cores cpu_reserved_cores leaves: ready ~7 s
-        # sooner, but on 2 cores `make run`'s steps took 18.8 s against 15.8 beside the learner
+        # sooner, but on 2 cores `make run`'s steps took 18.7 s against 15.8 beside the learner
         # (BENCHMARKS.md, "Time of make run"); "" = the service's default ($JAXRLHF_ENGINE_EXECUTOR,
         # else vLLM's).
         engine_executor="",
