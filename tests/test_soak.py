@@ -259,7 +259,9 @@ def test_a_short_soak_passes_its_checks(tiny_llama, tmp_path, own_generator):
     # update failing half-way, two learner kills (the first one resumes from step 2). The
     # faults that end a server (kill, hang-replace, restart) each cost an engine start (~30 s
     # here); tests/test_fleet.py has each of them against real servers mid-run. The last
-    # learner process trains 60 more steps, so that its memory is measured past its warm-up.
+    # learner process trains 150 more steps (about 25 s of the tiny model's), so that its
+    # memory is measured past its warm-up (with 60 steps and a 25 s warm-up, one run on
+    # 2026-12-05 ended before it).
     out = tmp_path / "soak"
     command = [
         sys.executable, "bench/soak.py", "--model", str(tiny_llama), "--out", str(out),
@@ -267,7 +269,7 @@ def test_a_short_soak_passes_its_checks(tiny_llama, tmp_path, own_generator):
         "--hang", "2,4",
         "--recovery-timeout", "150",
         "--reference-steps", "5", "--checkpoint-every", "2", "--warmup", "5",
-        "--learner-warmup", "25", "--tail-steps", "60", "--sample-every", "1", "--seed", "0",
+        "--learner-warmup", "15", "--tail-steps", "150", "--sample-every", "1", "--seed", "0",
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1400)
     summary = json.loads(result.stdout.strip().splitlines()[-1])

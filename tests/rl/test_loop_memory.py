@@ -33,6 +33,7 @@ class InstantLearner:
     memory at steps FROM and TO."""
 
     def __init__(self, config, model_path, mesh, reward_model=None):
+        self.mesh = mesh
         self.state = {"w": jnp.ones(3)}  # (saved by the last checkpoint)
         self.spec = SimpleNamespace(check=lambda *args, **kwargs: None)
         self.value = None
