@@ -245,7 +245,7 @@ def generator_keys() -> dict:
         cpu_reserved_cores=0,
         # Where vLLM runs the model of a locally started generator (`--engine-executor`): "mp", a
         # worker process of its own (vLLM's choice on CPU, which binds its threads to the cores);
-        # "uni", in its engine-core process, on the cores cpu_reserved_cores leaves: ready ~7 s
+        # "uni", in its engine-core process, on the cores cpu_reserved_cores leaves: ready ~6 s
         # sooner, but on 2 cores `make run`'s steps took 18.7 s against 15.8 beside the learner
         # (BENCHMARKS.md, "Time of make run"); "" = the service's default ($JAXRLHF_ENGINE_EXECUTOR,
         # else vLLM's).
