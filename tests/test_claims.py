@@ -14,12 +14,12 @@ from jaxrlhf.experiments.claims.verdicts import analyse
 
 
 def write_run(folder: Path, test: float, validation: float = 0.5, kl: float = 0.1,
-              steps: int = 4) -> None:  # fmt: skip
+              steps: int = 4, mixed: float = 0.0) -> None:  # fmt: skip
     """A finished run's records: `steps` steps, an evaluation at step 2, accuracies in [0, 1]."""
     folder.mkdir(parents=True, exist_ok=True)
     records = [{"step": s, "step_s": 0.5, "kl": kl * s / steps, "staleness_mean": min(s - 1, 1),
                 "token_staleness_max": min(s - 1, 1),
-                "mixed_version_fraction": 0.0, "learner_idle_fraction": 0.1,
+                "mixed_version_fraction": mixed, "learner_idle_fraction": 0.1,
                 **({"test_accuracy": test / 2, "eval_accuracy": validation / 2} if s == 2 else {})}
                for s in range(1, steps + 1)]  # fmt: skip
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -142,7 +142,47 @@ def test_loss_cells_put_corrections_at_their_n_only():
     settings = Settings(seeds=(0,), losses=("online_dpo", "grpo"), mini_batches=(1, 16),
                         corrections=("none", "mask"), correction_mini_batches=(16,))  # fmt: skip
     assert loss_cells(settings) == [("online_dpo", 1), ("online_dpo", 16), ("grpo", 1),
-                                    ("grpo", 16), ("grpo+mask", 16)]  # fmt: skip
+                                    ("grpo", 16), ("grpo+none", 16), ("grpo+mask", 16)]  # fmt: skip
+    # The control re-anchors π_old on the learner and corrects nothing; plain GRPO keeps the
+    # sampler's log-probs.
+    (control,) = [r for r in PLANS["b"](settings, Path("/x")) if r.labels["variant"] == "grpo+none"]
+    assert control.overrides["loss_params.old_logprobs"] == "learner"
+    assert control.overrides["loss_params.is_correction"] == "none"
+    (plain,) = [r for r in PLANS["b"](settings, Path("/x"))
+                if r.labels["arm"] == "grpo/N16"]  # fmt: skip
+    assert "loss_params.old_logprobs" not in plain.overrides
+
+
+def test_corrections_on_mixed_samples_are_measured_against_the_reanchored_control(tmp_path):
+    settings = Settings(seeds=(0, 1, 2), steps=4, eval_every=2, corrections=("none", "mask"))
+    runs = PLANS["f"](settings, tmp_path)
+    assert [r.labels["arm"] for r in runs[:4]] == ["online_dpo", "grpo", "grpo+none", "grpo+mask"]
+    # GRPO 50%; the control 2, 3, 4 points above it; mask −1, 0, +1 around the control;
+    # Online DPO 10, 11, 12 below GRPO. Every run mixes versions in 40% of its samples.
+    for run in runs:
+        seed = run.labels["seed"]
+        control = 0.50 + 0.01 * (seed + 2)
+        test = {"grpo": 0.50, "grpo+none": control, "grpo+mask": control + 0.01 * (seed - 1),
+                "online_dpo": 0.40 - 0.01 * seed}[run.labels["arm"]]  # fmt: skip
+        write_run(run.folder, test, mixed=0.4)
+    record = analyse("f", runs, settings)
+    by_name = {c["name"]: c for c in record["comparisons"]}
+    assert sorted(by_name) == ["grpo+mask − grpo+none", "grpo+none − grpo", "online_dpo − grpo"]
+    # control − GRPO: 2, 3, 4: mean 3, t = 3 / (1 / sqrt 3) = 5.196 on 2 d.f., p = 0.0351; Online
+    # DPO: −10, −11, −12, p = 0.0027. Holm over 3: 0.0027 <= 0.05/3 rejects; 0.0351 > 0.05/2
+    # stops there.
+    assert by_name["grpo+none − grpo"]["mean"] == pytest.approx(3.0)
+    assert by_name["grpo+none − grpo"]["p"] == pytest.approx(0.0351, abs=1e-4)
+    assert not by_name["grpo+none − grpo"]["beyond_noise"]
+    assert by_name["grpo+mask − grpo+none"]["mean"] == pytest.approx(0.0, abs=1e-9)
+    assert by_name["online_dpo − grpo"]["beyond_noise"]
+    assert record["verdict"]["word"] == "differences beyond noise: online_dpo − grpo"
+    # Without the control's runs (records before it existed), mask is against plain GRPO.
+    for run in runs:
+        if run.labels["arm"] == "grpo+none":
+            (run.folder / "summary.json").unlink()
+    names = {c["name"] for c in analyse("f", runs, settings)["comparisons"]}
+    assert names == {"grpo+mask − grpo", "online_dpo − grpo"}
 
 
 def test_every_claim_plans_bed_runs_with_a_test_evaluation_at_the_end(tmp_path):

@@ -25,6 +25,19 @@ from jaxrlhf.experiments.runner import CONTINUOUS_OVERRIDES, PlannedRun
 CORRECTIONS = ("none", "truncate", "mask", "sequence_mask")
 
 
+def corrected_variants(losses: Sequence[str], corrections: Sequence[str]) -> list[str]:
+    """The corrected rows of `offpolicy.variants` ("grpo+mask": π_old recomputed on the learner,
+    then the correction), each ratio loss's led by its control "grpo+none": recomputed on the
+    learner with no correction. A correction also re-anchors π_old (and so the clip), so
+    "grpo+mask − grpo" measures both; "grpo+mask − grpo+none" the correction alone."""
+    out: list[str] = []
+    for variant in variants(losses, corrections):
+        loss, plus, _ = variant.partition("+")
+        if plus:
+            out += [f"{loss}+none", variant]
+    return list(dict.fromkeys(out))
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What a claim's command line chose: seeds, updates per run and evaluations, and the
@@ -106,10 +119,11 @@ def offpolicy_arm(variant: str, n: int) -> str:
 
 
 def loss_cells(settings: Settings) -> list[tuple[str, int]]:
-    """(variant, N): every loss at every N; a ratio loss's corrections at the N of
-    `correction_mini_batches` (at N = 1 every correction is the identity, on-policy)."""
+    """(variant, N): every loss at every N; a ratio loss's corrections and their control at
+    the N of `correction_mini_batches` (at N = 1 every correction is the identity,
+    on-policy)."""
     cells = [(loss, n) for loss in settings.losses for n in settings.mini_batches]
-    corrected = [v for v in variants(settings.losses, settings.corrections) if "+" in v]
+    corrected = corrected_variants(settings.losses, settings.corrections)
     cells += [(v, n) for v in corrected for n in settings.correction_mini_batches]
     return cells
 
@@ -181,8 +195,8 @@ def plan_samples(settings: Settings, out: Path):
 # generation takes longer than even 4 updates on it. Measured over 16 updates of U4, seed 0
 # (results/claims/e-workload/, at ca2b6c9 with the overrides in each run.log): 16 at a time,
 # 2.4 s a batch against 1.0 s of learner time for 4 updates; 8 at a time, 4.3 s (a run of
-# 64 updates: 64 x 4.3 s = 4.6 min of batches); one at a time, the first plan, slower still. A call's
-# deadline counts that (the default, 30 s + rows x max_tokens / 50, does not).
+# 64 updates: 64 x 4.3 s = 4.6 min of batches); one at a time, the first plan, slower still.
+# A call's deadline counts that (the default, 30 s + rows x max_tokens / 50, does not).
 GENERATION_BOUND = {"rollout.max_running": 16, "generator.generate_timeout_s": 600.0}
 
 
@@ -212,8 +226,10 @@ def plan_updates(settings: Settings, out: Path):
 
 
 def mixed_variants(settings: Settings) -> list[str]:
-    """A ratio loss with each correction, and Online DPO beside it."""
-    return ["online_dpo", *variants([settings.mixed_loss], settings.corrections)]
+    """A ratio loss plain, re-anchored (the control) and with each correction, and Online DPO
+    beside it."""
+    loss = settings.mixed_loss
+    return ["online_dpo", loss, *corrected_variants([loss], settings.corrections)]
 
 
 def plan_mixed(settings: Settings, out: Path, extra: dict[str, Any] | None = None):

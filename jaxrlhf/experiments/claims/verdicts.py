@@ -172,11 +172,19 @@ def updates_help(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
 
 
 def corrections_on_mixed(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
-    """(f) on samples that span a publish: each correction of the ratio loss against none, and
-    Online DPO against it (test accuracy). Not a claim of the paper: the verdict says which
-    differ from no correction beyond noise, and whether ≥ 30% of samples mixed versions."""
+    """(f) on samples that span a publish, test accuracy: re-anchoring π_old on the learner
+    with no correction against the plain ratio loss ("grpo+none − grpo"), each correction
+    against that control ("grpo+mask − grpo+none": the correction alone; against the plain
+    loss while the control has no runs), and Online DPO against the plain loss. Not a claim
+    of the paper: the verdict says which differ beyond noise, and whether ≥ 30% of samples
+    mixed versions."""
     loss = settings.mixed_loss
-    findings = family([Finding(f"{arm} − {loss}", paired(arms, arm, loss))
+    control = f"{loss}+none" if arms.get(f"{loss}+none") else loss
+
+    def base(arm: str) -> str:
+        return loss if arm in (control, "online_dpo") or "+" not in arm else control
+
+    findings = family([Finding(f"{arm} − {base(arm)}", paired(arms, arm, base(arm)))
                        for arm in arms if arm != loss and arms.get(arm)])  # fmt: skip
     mixed = [f["mixed_version_fraction"] for seeds in arms.values() for f in seeds.values()]
     share = sum(mixed) / len(mixed) if mixed else math.nan
