@@ -145,12 +145,11 @@ def test_loss_cells_put_corrections_at_their_n_only():
                                     ("grpo", 16), ("grpo+none", 16), ("grpo+mask", 16)]  # fmt: skip
     # The control re-anchors π_old on the learner and corrects nothing; plain GRPO keeps the
     # sampler's log-probs.
-    (control,) = [r for r in PLANS["b"](settings, Path("/x")) if r.labels["variant"] == "grpo+none"]
-    assert control.overrides["loss_params.old_logprobs"] == "learner"
-    assert control.overrides["loss_params.is_correction"] == "none"
-    (plain,) = [r for r in PLANS["b"](settings, Path("/x"))
-                if r.labels["arm"] == "grpo/N16"]  # fmt: skip
-    assert "loss_params.old_logprobs" not in plain.overrides
+    runs = {r.labels["arm"]: r for r in PLANS["b"](settings, Path("/x"))}
+    control = runs["grpo+none/N16"].overrides
+    assert control["loss_params.old_logprobs"] == "learner"
+    assert control["loss_params.is_correction"] == "none"
+    assert "loss_params.old_logprobs" not in runs["grpo/N16"].overrides
 
 
 def test_corrections_on_mixed_samples_are_measured_against_the_reanchored_control(tmp_path):

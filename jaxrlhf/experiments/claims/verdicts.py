@@ -182,7 +182,7 @@ def corrections_on_mixed(arms, settings: Settings) -> tuple[list[Finding], Verdi
     control = f"{loss}+none" if arms.get(f"{loss}+none") else loss
 
     def base(arm: str) -> str:
-        return loss if arm in (control, "online_dpo") or "+" not in arm else control
+        return loss if arm == control or "+" not in arm else control
 
     findings = family([Finding(f"{arm} − {base(arm)}", paired(arms, arm, base(arm)))
                        for arm in arms if arm != loss and arms.get(arm)])  # fmt: skip
