@@ -14,6 +14,13 @@ runs it (a generator service started by the run itself, as on a fresh machine):
   `step_s - wait_for_generation_s`: the learner's own time) and `kl_end`;
 - on the other sizes, one update with the evaluation before it only: `test_before`.
 
+`--choose-steps K1,K2,...` measures instead how each size's SFT length was chosen
+(`jaxrlhf.models.bed.STEPS`), on the validation split alone: the default bed as built, then each
+other size of `--sizes` built for K1, K2, ... SFT steps, each evaluated greedily on the whole
+validation split before one update (`val_before`, %; the test split is not evaluated). One JSON
+line per build, then one per size with `chosen`: the steps whose `val_before` is nearest the
+default bed's (the rule that chose `STEPS`).
+
 `--config.KEY=VALUE` arguments pass through to every run. One JSON line per size. Nothing
 else should run on the machine meanwhile (timings).
 `--sft-steps` and `--steps` shrink everything for the smoke test (tests/test_bench.py).
@@ -53,6 +60,7 @@ def built(name: str, recipe: bed.Recipe, root: Path) -> tuple[Path, float]:
 
 
 def run(folder: Path, model: Path, steps: int, full: bool, extra: dict) -> dict:
+    """The default run on `model` (`full`), or one update after the evaluations before it."""
     overrides = {**extra, "model.path": str(model), "output_dir": str(folder), "export": False}
     if steps:
         overrides |= {"total_steps": steps, "checkpoint.every": steps}
@@ -62,7 +70,8 @@ def run(folder: Path, model: Path, steps: int, full: bool, extra: dict) -> dict:
     if code:
         raise SystemExit(f"the run in {folder} failed (exit {code}); see {folder / 'run.log'}")
     records, summary = read_run(folder)
-    row = {"test_before": 100 * summary["test_accuracy_start"]}
+    before = {"test_before": "test_accuracy_start", "val_before": "eval_accuracy_start"}
+    row = {name: 100 * summary[key] for name, key in before.items() if key in summary}
     if full:
         learner = [r["step_s"] - r["wait_for_generation_s"] for r in records]
         row |= {
@@ -87,9 +96,15 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=0, help="0 = the recipe's")
     parser.add_argument("--steps", type=int, default=0, help="RL updates; 0 = configs/bed.py's")
     parser.add_argument("--out", default="", help="folder for builds and runs (default: temp)")
+    parser.add_argument("--choose-steps", default="", help="SFT steps to try per size (docstring)")
     args, extra = parser.parse_known_args()
     passthrough = parse_passthrough(parser, extra)
     out = Path(args.out or tempfile.mkdtemp(prefix="bed-bench-"))
+    if args.choose_steps:
+        root = bed.cache_dir() / "models" / "bed" if args.cached else out / "builds-1"
+        grid = [int(k) for k in args.choose_steps.split(",")]
+        choose_steps(args.sizes.split(","), grid, root, out, args.sft_steps, passthrough)
+        return
     for name in args.sizes.split(","):
         recipe = bed.Recipe(size=name)
         if args.sft_steps:
@@ -107,6 +122,27 @@ def main() -> None:
         full = name in args.full.split(",")
         row |= run(out / "runs" / name, model, args.steps, full, passthrough)
         print(json.dumps(row), flush=True)
+
+
+def choose_steps(sizes, grid, root: Path, out: Path, bed_steps: int, extra: dict) -> None:
+    """`--choose-steps` (module docstring): validation accuracy at the start per size and SFT
+    length, and the length nearest the default bed's."""
+    extra = {**extra, "eval.test": False}
+
+    def measured(name: str, steps: int) -> dict:
+        recipe = dataclasses.replace(bed.Recipe(size=name), **({"steps": steps} if steps else {}))
+        model, seconds = built(name, recipe, root)
+        row = {"size": name, "sft_steps": recipe.steps, "build_s": seconds}
+        row |= run(out / "choose" / f"{name}-{recipe.steps}", model, 0, False, extra)
+        print(json.dumps(row), flush=True)
+        return row
+
+    target = measured("bed", bed_steps)["val_before"]
+    for name in (size for size in sizes if size != "bed"):
+        rows = [measured(name, steps) for steps in grid]
+        best = min(rows, key=lambda row: abs(row["val_before"] - target))
+        print(json.dumps({"size": name, "target_val": target, "chosen": best["sft_steps"],
+                          "val_before": best["val_before"]}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -230,3 +230,30 @@ def test_bed(own_generator, tmp_path):
     assert 0 <= row["test_before"] <= 100 and 0 <= row["test_after"] <= 100
     assert row["gain"] == pytest.approx(row["test_after"] - row["test_before"])
     assert_positive_finite(row, "build_s", "learner_s_median", "wall_s")
+
+
+def test_bed_choose_steps_picks_the_length_nearest_the_default_bed(monkeypatch, tmp_path, capsys):
+    """`bench/bed.py --choose-steps`: the default bed is measured first (as built), then each
+    other size at each SFT length, on validation alone; the length whose accuracy is nearest the
+    bed's is chosen. (Its builds and runs are the functions `test_bed` runs for real; here they
+    are replaced by their figures, to check the rule.)"""
+    spec = importlib.util.spec_from_file_location("bed_bench", REPO / "bench/bed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    accuracy = {"bed-350": 37.5, "bed-m-400": 10.0, "bed-m-425": 30.0, "bed-m-450": 42.0}
+    asked = []
+    monkeypatch.setattr(
+        bench, "built", lambda name, recipe, root: (tmp_path / f"{name}-{recipe.steps}", 1.0)
+    )
+
+    def run(folder, model, steps, full, extra):
+        asked.append((model.name, steps, full, extra["eval.test"]))
+        return {"val_before": accuracy[model.name]}
+
+    monkeypatch.setattr(bench, "run", run)
+    bench.choose_steps(["bed", "bed-m"], [400, 425, 450], tmp_path, tmp_path, 0, {})
+    *_, last = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # Each build evaluated once, before one update, on validation only; |42.0 - 37.5| = 4.5 is
+    # nearer than |30.0 - 37.5| = 7.5.
+    assert asked == [(name, 0, False, False) for name in accuracy]
+    assert last == {"size": "bed-m", "target_val": 37.5, "chosen": 450, "val_before": 42.0}

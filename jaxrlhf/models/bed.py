@@ -15,8 +15,10 @@ improve it.
 - Recipe (`Recipe`): random init (JAX, from the seed), then the project's own SFT stage
   (`jaxrlhf.stages.sft`) on the train split's additions (never validation or test) at a
   constant learning rate, stopped after a number of steps chosen on the validation split so
-  that the default size is partly trained (38% of the validation split right).
-  Every size gets the same data, steps and learning rate.
+  that the default size is partly trained (38% of the validation split right). Every size
+  gets the same data, learning rate and stopping rule: its steps (`STEPS`) are those whose
+  model starts nearest the default's validation accuracy, so the sizes differ in capacity,
+  not in how far along the task they start.
 
 A build runs in a fresh `python -m jaxrlhf.stages.bed_build` process (the SFT stage is a layer
 above this one, so it is run as a program, not imported) pinned to one core, on one CPU device
@@ -52,6 +54,12 @@ SIZES: dict[str, dict[str, int]] = {
     "bed-m": dict(hidden_size=128, num_hidden_layers=2),
     "bed-l": dict(hidden_size=256, num_hidden_layers=2),
 }
+# SFT steps per size, chosen on the validation split by `python bench/bed.py --cached
+# --sizes S --choose-steps ...` (2026-12-06): greedy accuracy at the start on the whole split
+# nearest the default's 37.5%. bed-m: 400 -> 10.9%, 425 -> 29.1%, 450 -> 42.1%, 475 -> 54.5%;
+# bed-l: 175 -> 10.2%, 225 -> 16.1%, 275 -> 41.7%. At the default's 350 steps they started
+# at 5.9% and 73.2% of the test split (until 2026-12-06 every size took 350 steps).
+STEPS: dict[str, int] = {"bed": 350, "bed-m": 450, "bed-l": 275}
 # The generator's default context (config.generator.max_model_len) fits; RoPE needs no table.
 MAX_POSITIONS = 256
 
@@ -63,20 +71,20 @@ _PIECES = r" ?[A-Za-z]+| ?[^A-Za-z\d\s]|\d|\s"  # how text is cut into tokens (d
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """How a bed is built: its `size`, the `seed` (of the init and of the order of the examples)
-    and the SFT stage's settings.
+    and the SFT stage's settings; `steps` 0 means the size's (`STEPS`).
 
     The defaults were chosen on the validation split alone: at lr 1e-3 and 64 examples a step
     the default size learns the task in a sudden rise, from 8% of the validation split right
     (greedy) after 250 steps to 28% after 300, 38% after 350 and 48% after 400. Of the 300,
     325 and 350-step models, configs/bed.py's RL run added the most on validation to the
     350-step one (+24 and +26 points, seeds 0 and 1; +20 and +23 from 325 steps, +12 to +22
-    over 3 seeds from 300). (The 0.5M size rose later, between steps 400 and 450, and a
-    higher rate, 3e-3, rose later and then diverged.)
+    over 3 seeds from 300). (A higher rate, 3e-3, rose later and then diverged.) The larger
+    sizes rise at other steps: `STEPS`.
     """
 
     size: str = "bed"
     seed: int = 0
-    steps: int = 350
+    steps: int = 0
     batch_size: int = 64
     learning_rate: float = 1e-3
     max_length: int = 28  # the 24-token prompt and the longest answer, 3 digits and EOS
@@ -84,6 +92,8 @@ class Recipe:
     def __post_init__(self) -> None:
         if self.size not in SIZES:
             raise ValueError(f"unknown bed size {self.size!r}; known: {', '.join(SIZES)}")
+        if not self.steps:
+            object.__setattr__(self, "steps", STEPS[self.size])
 
     def digest(self) -> str:
         """SHA-256 of everything the built weights depend on (module docstring)."""

@@ -21,21 +21,27 @@ def overrides(run_log: Path) -> dict[str, str]:
 
 
 def main() -> None:
-    print("| candidate | loss | max_num_seqs | max_staleness | prompts a batch | updates | "
-          "mixed-version samples | validation % after |")
+    print(
+        "| candidate | loss | max_num_seqs | max_staleness | prompts a batch | updates | "
+        "mixed-version samples | validation % after |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for folder in sorted(p for p in HERE.iterdir() if p.is_dir()):
         records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         mixed = [r.get("mixed_version_fraction", 0.0) for r in records if "step" in r]
         summary = folder / "summary.json"
-        test = json.loads(summary.read_text()).get("eval_accuracy_end") if summary.exists() else None
+        test = None
+        if summary.exists():
+            test = json.loads(summary.read_text()).get("eval_accuracy_end")
         keys = overrides(folder / "run.log")
         rows.append((sum(mixed) / len(mixed), folder.name, keys, len(mixed), test))
     for share, name, keys, steps, test in sorted(rows, key=lambda row: (row[2]["loss"], row[0])):
         after = "-" if test is None else f"{100 * test:.1f}"
-        print(f"| {name} | {keys['loss']} | {keys[KEYS[1]]} | {keys[KEYS[2]] or 1} | "
-              f"{keys[KEYS[3]] or 64} | {steps} | {100 * share:.1f}% | {after} |")
+        print(
+            f"| {name} | {keys['loss']} | {keys[KEYS[1]]} | {keys[KEYS[2]] or 1} | "
+            f"{keys[KEYS[3]] or 64} | {steps} | {100 * share:.1f}% | {after} |"
+        )
 
 
 if __name__ == "__main__":

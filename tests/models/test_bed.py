@@ -79,6 +79,17 @@ def test_the_digest_names_every_setting_of_the_recipe():
         bed.Recipe(size="bed-xl")
 
 
+def test_each_size_takes_its_own_sft_steps_unless_told():
+    assert set(bed.STEPS) == set(bed.SIZES)
+    for name, steps in bed.STEPS.items():
+        recipe = bed.Recipe(size=name)
+        assert recipe.steps == steps and dataclasses.asdict(recipe)["steps"] == steps
+        assert recipe.digest() == bed.Recipe(size=name, steps=steps).digest()
+    # The default size keeps the 350 steps every claim's runs were built with (same digest,
+    # same cached build); an explicit count still wins.
+    assert bed.Recipe().steps == 350 and bed.Recipe(size="bed-l", steps=7).steps == 7
+
+
 def test_a_recipe_builds_the_same_bytes_twice(tmp_path):
     first = bed.bed_path("bed", SMALL, root=tmp_path / "a")
     second = bed.bed_path("bed", SMALL, root=tmp_path / "b")
