@@ -3,12 +3,13 @@ comparisons, Holm's correction and verdicts computed by hand; and the plans' arm
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from jaxrlhf.experiments.claims.figures import markdown
+from jaxrlhf.experiments.claims.figures import claims_table, markdown
 from jaxrlhf.experiments.claims.plans import PLANS, Settings, loss_cells
 from jaxrlhf.experiments.claims.verdicts import analyse
 
@@ -116,6 +117,14 @@ def test_the_loss_claim_compares_falls_from_on_policy(tmp_path):
     (only,) = record["comparisons"]
     assert only["name"] == "rloo − online_dpo, fall at N=4" and only["mean"] == pytest.approx(9.0)
     assert only["beyond_noise"] and record["verdict"]["word"] == "supported"
+    # With a fourth seed planned and not run, the same comparison stands, with no verdict yet.
+    more = dataclasses.replace(settings, seeds=(0, 1, 2, 3))
+    part = analyse("b", PLANS["b"](more, tmp_path), more)
+    assert part["comparisons"] == record["comparisons"]
+    assert part["verdict"]["word"] == "part-run"
+    assert part["verdict"]["detail"] == "12 of 16 runs finished; the verdict waits for all of them"
+    row = claims_table({"b": part}, {"b": "(b)"}, {}).splitlines()[-1]
+    assert row.endswith("| part-run (12 of 16 runs finished) |")
 
 
 def test_k4_against_k2_counts_updates_and_learner_seconds_to_the_target(tmp_path):

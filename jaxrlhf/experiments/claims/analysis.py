@@ -152,7 +152,7 @@ def fall_difference(arms, worse: tuple[str, str], better: tuple[str, str]) -> Co
 
 @dataclasses.dataclass
 class Verdict:
-    word: str  # "supported", "contradicted" or "unresolved at this power"
+    word: str  # "supported", "contradicted", "unresolved at this power" (or "part-run")
     detail: str
 
     def as_dict(self) -> dict[str, str]:

@@ -121,5 +121,7 @@ def claims_table(records: dict[str, dict[str, Any]], titles: dict[str, str],
         if len(findings) > 4:
             ours += f" (+{len(findings) - 4} more)"
         verdict = record.get("verdict", {}).get("word", "-")
+        if verdict == "part-run":  # how far it is: "N of M runs finished"
+            verdict += f" ({record['verdict']['detail'].split(';')[0]})"
         lines.append(f"| {titles[claim]} | {paper.get(claim, '-')} | {ours} | {verdict} |")
     return "\n".join(lines)

@@ -209,7 +209,9 @@ RULES = {
 
 def analyse(claim: str, runs: Sequence[PlannedRun], settings: Settings) -> dict[str, Any]:
     """The claim's record: per-arm rows, its family of comparisons, its verdict (or, for the
-    pilot, the spread and the seeds it implies)."""
+    pilot, the spread and the seeds it implies). Until every planned run has finished the
+    verdict is "part-run": a claim's seeds are fixed before it runs, and judging it at each
+    look as seeds come in would make "beyond noise" more likely than its 5% by chance alone."""
     arms = by_arm(runs)
     planned: dict[str, int] = {}
     for run in runs:
@@ -219,6 +221,10 @@ def analyse(claim: str, runs: Sequence[PlannedRun], settings: Settings) -> dict[
         record["power"] = power_of(arms, "one-step-off", "sync")
         return record
     findings, verdict = RULES[claim](arms, settings)
+    finished = sum(len(seeds) for seeds in arms.values())
+    if finished < len(runs):  # the seeds were fixed before the runs: no verdict on a part
+        verdict = Verdict("part-run", f"{finished} of {len(runs)} runs finished; the verdict "
+                          "waits for all of them")  # fmt: skip
     record["comparisons"] = [f.as_dict() for f in findings]
     record["family_size"] = len(findings)
     record["verdict"] = verdict.as_dict()
