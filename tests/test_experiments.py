@@ -399,6 +399,20 @@ def test_runs_are_reused_only_with_the_same_settings(tmp_path):
     assert not finished_with(folder, {**overrides, "num_mini_batches": 4})
 
 
+def test_a_run_is_reused_from_another_clone(tmp_path):
+    """Records committed in one clone resume in another: the folder is where the run is, so the
+    `output_dir` it was written with does not count; every other setting does."""
+    folder = tmp_path / "here" / "run"
+    overrides = {"loss": "ppo", "seed": 3, "output_dir": str(folder)}
+    write_run(folder, offpolicy_records(2, 2, 0.1), {})
+    elsewhere = {**overrides, "output_dir": "/another/clone/results/run"}
+    (folder / SETTINGS_FILE).write_text(json.dumps(elsewhere))
+    assert finished_with(folder, overrides)
+    assert not finished_with(folder, {**overrides, "seed": 4})
+    (folder / SETTINGS_FILE).write_text(json.dumps({"loss": "ppo", "seed": 3}))
+    assert not finished_with(folder, {**overrides, "export": False})  # a setting it lacks
+
+
 def test_code_version_ignores_records_and_documents(tmp_path):
     """ "+changes" marks an edit of code, not of results/ or a Markdown document."""
     import subprocess

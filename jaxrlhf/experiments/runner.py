@@ -70,14 +70,20 @@ def run_figures(
     return figures
 
 
+# Where a run wrote its outputs, not what it ran: the folder is the run's place already, so a
+# clone elsewhere (another path, another machine) resumes the records committed under results/.
+_PLACE_KEYS = ("output_dir",)
+
+
 def finished_with(folder: Path, overrides: dict[str, Any]) -> bool:
-    """Whether `folder` holds a finished run made with exactly these overrides."""
+    """Whether `folder` holds a finished run made with these overrides (`output_dir` aside)."""
     settings = folder / SETTINGS_FILE
-    return (
-        (folder / "summary.json").exists()
-        and settings.exists()
-        and json.loads(settings.read_text()) == json.loads(json.dumps(overrides))
-    )
+    if not ((folder / "summary.json").exists() and settings.exists()):
+        return False
+    ran, planned = json.loads(settings.read_text()), json.loads(json.dumps(overrides))
+    for key in _PLACE_KEYS:
+        ran.pop(key, None), planned.pop(key, None)
+    return ran == planned
 
 
 MAX_GENERATOR_RESTARTS = 3
