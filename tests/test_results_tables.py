@@ -35,3 +35,23 @@ def test_the_online_dpo_pairs_table_has_a_row_per_n():
     rows = printed("results/claims/b_dpo_pairs.py")[2:]
     assert [row.split("|")[1].strip() for row in rows] == ["1", "4", "16", "64"]
     assert all(int(row.split("|")[2]) >= 1 for row in rows)
+
+
+def test_benchmarks_opens_with_the_claims_table_the_records_give_now(tmp_path):
+    """Each recorded claim analysed again from its committed runs (`--claim X --report-only`),
+    then the table (`--report-only`): BENCHMARKS.md shows every row of it as drawn."""
+    import shutil
+
+    from jaxrlhf.experiments.claims.__main__ import ORDER, main
+
+    out = tmp_path / "claims"
+    shutil.copytree(REPO / "results" / "claims", out, ignore=shutil.ignore_patterns("*.png"))
+    recorded = [claim for claim in ORDER if (out / claim / "claim.json").exists()]
+    assert {"a", "b", "f"} <= set(recorded)
+    for claim in recorded:
+        main(["--claim", claim, "--report-only", "--out", str(out)])
+    main(["--report-only", "--out", str(out)])
+    benchmarks = (REPO / "BENCHMARKS.md").read_text().splitlines()
+    drawn = [line for line in (out / "claims.md").read_text().splitlines() if line.strip()]
+    assert len(drawn) == 2 + len(ORDER) - 1  # header, rule, a row per claim (the pilot is (a)'s)
+    assert [line for line in drawn if line not in benchmarks] == []
