@@ -15,7 +15,7 @@ from jaxrlhf.experiments.claims.verdicts import analyse
 
 
 def write_run(folder: Path, test: float, validation: float = 0.5, kl: float = 0.1,
-              steps: int = 4, mixed: float = 0.0) -> None:  # fmt: skip
+              steps: int = 4, mixed: float = 0.0, start: float = 0.2) -> None:  # fmt: skip
     """A finished run's records: `steps` steps, an evaluation at step 2, accuracies in [0, 1]."""
     folder.mkdir(parents=True, exist_ok=True)
     records = [{"step": s, "step_s": 0.5, "kl": kl * s / steps, "staleness_mean": min(s - 1, 1),
@@ -24,8 +24,9 @@ def write_run(folder: Path, test: float, validation: float = 0.5, kl: float = 0.
                 **({"test_accuracy": test / 2, "eval_accuracy": validation / 2} if s == 2 else {})}
                for s in range(1, steps + 1)]  # fmt: skip
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    summary = {"test_accuracy_start": 0.2, "eval_accuracy_start": 0.2, "test_accuracy_end": test,
-               "eval_accuracy_end": validation, "wall_seconds": 9.0}  # fmt: skip
+    summary = {"test_accuracy_start": start, "eval_accuracy_start": start,
+               "test_accuracy_end": test, "eval_accuracy_end": validation,
+               "wall_seconds": 9.0}  # fmt: skip
     (folder / "summary.json").write_text(json.dumps(summary))
 
 
@@ -125,6 +126,40 @@ def test_the_loss_claim_compares_falls_from_on_policy(tmp_path):
     assert part["verdict"]["detail"] == "12 of 16 runs finished; the verdict waits for all of them"
     row = claims_table({"b": part}, {"b": "(b)"}, {}).splitlines()[-1]
     assert row.endswith("| part-run (12 of 16 runs finished) |")
+
+
+def test_a_seed_is_paired_only_within_one_start_model(tmp_path):
+    """A seed whose arms started from different builds of one model (two machines) is left out
+    of the comparisons it would mix; a seed run wholly on another machine stays paired, and the
+    sizes of claim (c) differ by design."""
+    settings = Settings(seeds=(0, 1, 2, 3), steps=4, eval_every=2, losses=("online_dpo", "rloo"),
+                        mini_batches=(1, 4), corrections=("none",))  # fmt: skip
+    runs = PLANS["b"](settings, tmp_path / "b")
+    for run in runs:  # RLOO falls 10 + seed points, Online DPO 2: fall difference 8 + seed
+        seed, arm = run.labels["seed"], run.labels["arm"]
+        fall = {"online_dpo": 0.02, "rloo": 0.10 + 0.01 * seed}[run.labels["variant"]]
+        # Seed 2 ran wholly on another machine; of seed 3, rloo/N4 alone did (5 points higher).
+        alone = (seed, arm) == (3, "rloo/N4")
+        start, shift = (0.21 if seed == 2 or alone else 0.2), (0.05 if alone else 0.0)
+        write_run(run.folder, 0.6 + shift - (fall if run.labels["num_mini_batches"] == 4 else 0.0),
+                  start=start)  # fmt: skip
+    record = analyse("b", runs, settings)
+    (only,) = record["comparisons"]
+    assert only["seeds"] == 3 and only["mean"] == pytest.approx(9.0)  # seeds 0, 1, 2
+    assert sorted((m["test_start"], m["runs"]) for m in record["starts"]) == [(20.0, 11), (21.0, 5)]
+    assert (
+        "Start models (test % / validation % before training): bed 20.0 / 20.0 (11 runs)"
+        in markdown(record)
+    )
+    sizes = Settings(seeds=(0, 1), steps=4, eval_every=2, sizes=("bed", "bed-m"),
+                     size_mini_batches=(1, 16))  # fmt: skip
+    c_runs = PLANS["c"](sizes, tmp_path / "c")
+    for run in c_runs:  # the larger starts higher and falls 1 point less
+        large = run.labels["size"] == "bed-m"
+        fall = (0.04 - 0.01 * large) if run.labels["num_mini_batches"] == 16 else 0.0
+        write_run(run.folder, 0.6 + 0.001 * run.labels["seed"] - fall, start=0.3 if large else 0.2)
+    (c,) = analyse("c", c_runs, sizes)["comparisons"]
+    assert c["seeds"] == 2 and c["mean"] == pytest.approx(1.0)
 
 
 def test_k4_against_k2_counts_updates_and_learner_seconds_to_the_target(tmp_path):

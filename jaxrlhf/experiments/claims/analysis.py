@@ -52,6 +52,8 @@ def run_figures(run: PlannedRun, last: int = 5) -> dict[str, Any] | None:
         "test": summary["test_accuracy_end"] * POINTS,
         "validation": summary.get("eval_accuracy_end", math.nan) * POINTS,
         "test_start": (summary.get("test_accuracy_start") or math.nan) * POINTS,
+        "validation_start": (summary.get("eval_accuracy_start") or math.nan) * POINTS,
+        "model": run.overrides.get("model.path", "bed"),
         "kl": mean_of("kl", tail),
         "curve": run_curve(records, summary),
         "learner_seconds": sum(r["step_s"] for r in records),
@@ -132,17 +134,53 @@ def family(findings: list[Finding]) -> list[Finding]:
     return findings
 
 
+def start_of(figures: dict[str, Any]) -> tuple:
+    """The model a run started from: its name and its greedy accuracies before training (test,
+    validation; points, to 0.01). The bed is built anew on each machine, and machines differ:
+    the same recipe started at 32.93% of test on the machine of 2026-12-01 to 05 and at 32.45%
+    on that of 2026-12-06 (a build's bytes or the engine's float arithmetic)."""
+    values = [figures.get(key, math.nan) for key in ("test_start", "validation_start")]
+    return (figures.get("model", "bed"),
+            *(round(v, 2) if math.isfinite(v) else None for v in values))  # fmt: skip
+
+
+def matched_seeds(arms, keys: Sequence[str]) -> list[int]:
+    """The seeds that every arm of `keys` finished, where the runs of each model among them
+    started from the same model (`start_of`). Pairing by seed removes what a seed shares across
+    arms; a seed whose arms ran on two machines would add the machines' difference instead, so
+    it is left out (the comparison's seed count shows it)."""
+    seeds = set.intersection(*(set(arms.get(k, {})) for k in keys)) if keys else set()
+
+    def matched(seed: int) -> bool:
+        starts: dict[str, set] = {}
+        for key in keys:
+            start = start_of(arms[key][seed])
+            starts.setdefault(start[0], set()).add(start)
+        return all(len(models) == 1 for models in starts.values())
+
+    return sorted(s for s in seeds if matched(s))
+
+
+def starts(arms) -> list[dict[str, Any]]:
+    """Each start model of the finished runs (`start_of`) and how many runs it began."""
+    counts: dict[tuple, int] = {}
+    for seeds in arms.values():
+        for figures in seeds.values():
+            counts[start_of(figures)] = counts.get(start_of(figures), 0) + 1
+    return [{"model": m, "test_start": t, "validation_start": v, "runs": n}
+            for (m, t, v), n in counts.items()]  # fmt: skip
+
+
 def paired(arms, b: str, a: str, figure: Callable[[dict], float] = lambda f: f["test"]):
-    """b − a of `figure` over the seeds both arms finished."""
-    seeds = sorted(set(arms.get(a, {})) & set(arms.get(b, {})))
+    """b − a of `figure` over the seeds both arms finished, from one start (`matched_seeds`)."""
+    seeds = matched_seeds(arms, (a, b))
     return compare([figure(arms[b][s]) - figure(arms[a][s]) for s in seeds])
 
 
 def fall_difference(arms, worse: tuple[str, str], better: tuple[str, str]) -> Comparison:
     """Per seed, the fall of `worse` (its on-policy arm's test accuracy minus its off-policy
-    arm's) minus the fall of `better`: > 0 when `worse` falls more."""
-    keys = [*worse, *better]
-    seeds = sorted(set.intersection(*(set(arms.get(k, {})) for k in keys)))
+    arm's) minus the fall of `better`: > 0 when `worse` falls more (`matched_seeds`)."""
+    seeds = matched_seeds(arms, [*worse, *better])
 
     def fall(pair, s):
         return arms[pair[0]][s]["test"] - arms[pair[1]][s]["test"]

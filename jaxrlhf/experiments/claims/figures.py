@@ -86,6 +86,14 @@ def markdown(record: dict[str, Any]) -> str:
                  "{:.2f}-{:.2f}".format(*r.get("staleness_later", (math.nan, math.nan))),
                  f"{r.get('token_staleness_max', math.nan):g}"]  # fmt: skip
         lines.append(f"| {r['arm']} | {r['seeds']}/{r['planned']} | {' | '.join(cells)} |")
+    if record.get("starts"):
+        models = ", ".join(f"{m['model']} {m['test_start']} / {m['validation_start']} "
+                           f"({m['runs']} runs)" for m in record["starts"])  # fmt: skip
+        lines += [
+            "",
+            f"Start models (test % / validation % before training): {models}. A seed "
+            "is paired only where each model's runs in a comparison share their start.",
+        ]
     findings = record.get("comparisons", [])
     if findings:
         lines += ["", f"{len(findings)} comparisons (Holm over each family):", "",

@@ -16,8 +16,10 @@ from jaxrlhf.experiments.claims.analysis import (
     fall_difference,
     family,
     interval,
+    matched_seeds,
     paired,
     power_of,
+    starts,
 )
 from jaxrlhf.experiments.claims.plans import Settings, offpolicy_arm
 from jaxrlhf.experiments.runner import PlannedRun
@@ -139,7 +141,7 @@ def samples_sooner(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
         point = first_reach(f, target)
         return point["kl"] if point is not None and point.get("kl") is not None else math.nan
 
-    seeds = sorted(set(arms[a]) & set(arms[b]))
+    seeds = matched_seeds(arms, (a, b))
     steps = compare([updates(arms[b][s]) - updates(arms[a][s]) for s in seeds])
     kls = [kl(arms[b][s]) - kl(arms[a][s]) for s in seeds]
     findings = family([Finding(f"updates to {target:.1f}% test: K4 − K2", steps),
@@ -216,7 +218,8 @@ def analyse(claim: str, runs: Sequence[PlannedRun], settings: Settings) -> dict[
     planned: dict[str, int] = {}
     for run in runs:
         planned[run.labels["arm"]] = planned.get(run.labels["arm"], 0) + 1
-    record: dict[str, Any] = {"claim": claim, "rows": arm_rows(arms, planned)}
+    record: dict[str, Any] = {"claim": claim, "rows": arm_rows(arms, planned),
+                              "starts": starts(arms)}  # fmt: skip
     if claim == "pilot":
         record["power"] = power_of(arms, "one-step-off", "sync")
         return record
