@@ -237,3 +237,42 @@ def test_every_claim_plans_bed_runs_with_a_test_evaluation_at_the_end(tmp_path):
         # (the pilot's runs are (a)'s sync and one-step-off runs: they count there too)
         home = "a" if claim == "pilot" else claim
         assert {r.folder.relative_to(tmp_path).parts[0] for r in runs} == {home}
+
+
+def test_the_committed_start_models_are_the_recipes_builds():
+    """One committed build per size, named as the cache names the recipe's build (a recipe
+    change leaves it unused, visibly), its bed.json naming the same digest."""
+    from jaxrlhf.experiments.claims.start_models import COMMITTED, FILES
+    from jaxrlhf.models import bed
+
+    names = sorted(p.name for p in COMMITTED.iterdir())
+    assert names == sorted(
+        f"{s}-{bed.Recipe(size=s).digest()[:16]}" for s in ("bed", "bed-m", "bed-l")
+    )
+    for name in names:
+        assert all((COMMITTED / name / f).stat().st_size > 0 for f in FILES)
+        recorded = json.loads((COMMITTED / name / "bed.json").read_text())
+        assert name.endswith(recorded["digest"][:16])
+
+
+def test_installing_start_models_replaces_another_build_of_the_recipe(tmp_path):
+    from jaxrlhf.experiments.claims.start_models import FILES, install
+    from jaxrlhf.models.built import COMPLETE
+
+    committed, cache = tmp_path / "committed", tmp_path / "cache"
+    for name in ("bed-1111", "bed-m-2222"):
+        (committed / name).mkdir(parents=True)
+        for f in FILES:
+            (committed / name / f).write_text(f"{name}/{f}")
+    other = cache / "bed-1111"  # this machine's build of the same recipe: other weights
+    other.mkdir(parents=True)
+    for f in FILES:
+        (other / f).write_text("built here" if f == "model.safetensors" else f"bed-1111/{f}")
+    (other / COMPLETE).write_text("")
+    lines = install(committed, cache)
+    assert [line.split(":")[0] for line in lines] == ["bed-1111", "bed-m-2222"]
+    assert "replaced" in lines[0] and "copied" in lines[1]
+    for name in ("bed-1111", "bed-m-2222"):
+        assert (cache / name / COMPLETE).exists()
+        assert (cache / name / "model.safetensors").read_text() == f"{name}/model.safetensors"
+    assert all("already" in line for line in install(committed, cache))

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxrlhf.experiments import CONFIGS
-from jaxrlhf.experiments.claims import PAPER, PLANS, TITLES
+from jaxrlhf.experiments.claims import PAPER, PLANS, TITLES, start_models
 from jaxrlhf.experiments.claims.analysis import by_arm
 from jaxrlhf.experiments.claims.figures import claims_table, markdown, plot_claim
 from jaxrlhf.experiments.claims.plans import Settings
@@ -64,6 +64,8 @@ def run_claim(claim: str, args) -> dict:
     out = Path(args.out).resolve()
     runs = PLANS[claim](settings, out)
     if not args.report_only:
+        for line in start_models.install():
+            print(f"[claim {claim}] start model {line}", flush=True)
         runner = Runner(CONFIGS / "bed.py", out / claim, f"claim {claim}",
                         args.generator_addresses, rerun=args.rerun)  # fmt: skip
         patterns = [p for p in args.arms.split(",") if p]

@@ -1,0 +1,62 @@
+"""The claims' start models, committed: the builds of the test bed every claim run starts from.
+
+The bed is built from its recipe on first use and cached by the recipe's digest
+(`jaxrlhf.models.bed`). One machine builds the same bytes every time, but two machines need not:
+the same recipe and code started at 32.93% of test on the machine of 2026-12-01 to 05 and at
+32.45% on that of 2026-12-06, and the larger sizes, chosen on a steep part of their SFT curve,
+differ more (`bed-l` at 41.7% of validation there, 48.5% here). A claim runs over several
+sessions, and a session may get another machine. So the builds the claims use are committed
+under `results/claims/start-models/{name}-{digest16}/` (the folder name of the cache), and
+before a claim runs, `install` puts them in the cache in place of any other build of the same
+recipe. Pieces run on any machine then start from the same weights; what still differs is
+the machine's float arithmetic (each claim's report lists its runs' start accuracies, and a
+seed is paired only within one: `analysis.matched_seeds`).
+"""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+from pathlib import Path
+
+from jaxrlhf.experiments import REPO
+from jaxrlhf.models.built import COMPLETE, built_once, cache_dir
+
+COMMITTED = REPO / "results" / "claims" / "start-models"
+FILES = ("bed.json", "chat_template.jinja", "config.json", "generation_config.json",
+         "model.safetensors", "tokenizer.json", "tokenizer_config.json")  # fmt: skip
+
+
+def commit(built: Path, committed: Path = COMMITTED) -> Path:
+    """Copies a cached build (`jaxrlhf.models.bed.bed_path`) into the committed folder."""
+    folder = committed / built.name
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in FILES:
+        shutil.copy2(built / name, folder / name)
+    return folder
+
+
+def same_file(a: Path, b: Path) -> bool:
+    return b.exists() and filecmp.cmp(a, b, shallow=False)
+
+
+def install(committed: Path = COMMITTED, root: Path | None = None) -> list[str]:
+    """Puts each committed start model into the bed's cache (`root`: default the cache's
+    models/bed), replacing a build of the same name whose files differ. Returns a line per
+    model, to print."""
+    root = root if root is not None else cache_dir() / "models" / "bed"
+    lines = []
+    for source in sorted(p for p in committed.glob("*") if (p / "model.safetensors").exists()):
+        target = root / source.name
+        if (target / COMPLETE).exists():
+            if all(same_file(source / n, target / n) for n in FILES):
+                lines.append(f"{source.name}: the committed start model (already in the cache)")
+                continue
+            shutil.rmtree(target)
+            lines.append(f"{source.name}: the cache held another build of this recipe (this "
+                         f"machine's); replaced by the committed start model")  # fmt: skip
+        else:
+            lines.append(f"{source.name}: the committed start model, copied into the cache")
+        built_once(target, lambda tmp, source=source: [shutil.copy2(source / n, tmp / n)
+                                                        for n in FILES])  # fmt: skip
+    return lines
