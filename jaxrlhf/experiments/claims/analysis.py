@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,9 +137,7 @@ def family(findings: list[Finding]) -> list[Finding]:
 
 def start_of(figures: dict[str, Any]) -> tuple:
     """The model a run started from: its name and its greedy accuracies before training (test,
-    validation; points, to 0.01). The bed is built anew on each machine, and machines differ:
-    the same recipe started at 32.93% of test on the machine of 2026-12-01 to 05 and at 32.45%
-    on that of 2026-12-06 (a build's bytes or the engine's float arithmetic)."""
+    validation; points, to 0.01). Two machines' starts from one recipe differ (`start_models`)."""
     values = [figures.get(key, math.nan) for key in ("test_start", "validation_start")]
     return (figures.get("model", "bed"),
             *(round(v, 2) if math.isfinite(v) else None for v in values))  # fmt: skip
@@ -163,10 +162,7 @@ def matched_seeds(arms, keys: Sequence[str]) -> list[int]:
 
 def starts(arms) -> list[dict[str, Any]]:
     """Each start model of the finished runs (`start_of`) and how many runs it began."""
-    counts: dict[tuple, int] = {}
-    for seeds in arms.values():
-        for figures in seeds.values():
-            counts[start_of(figures)] = counts.get(start_of(figures), 0) + 1
+    counts = Counter(start_of(figures) for seeds in arms.values() for figures in seeds.values())
     return [{"model": m, "test_start": t, "validation_start": v, "runs": n}
             for (m, t, v), n in counts.items()]  # fmt: skip
 

@@ -6,7 +6,8 @@ the same recipe and code started at 32.93% of test on the machine of 2026-12-01 
 32.45% on that of 2026-12-06, and the larger sizes, chosen on a steep part of their SFT curve,
 differ more (`bed-l` at 41.7% of validation there, 48.5% here). A claim runs over several
 sessions, and a session may get another machine. So the builds the claims use are committed
-under `results/claims/start-models/{name}-{digest16}/` (the folder name of the cache), and
+under `results/claims/start-models/{name}-{digest16}/` (the cache's folder of the build, its
+`FILES` copied; the builds of 2026-12-06), and
 before a claim runs, `install` puts them in the cache in place of any other build of the same
 recipe. Pieces run on any machine then start from the same weights; what still differs is
 the machine's float arithmetic (each claim's report lists its runs' start accuracies, and a
@@ -25,15 +26,6 @@ from jaxrlhf.models.built import COMPLETE, built_once, cache_dir
 COMMITTED = REPO / "results" / "claims" / "start-models"
 FILES = ("bed.json", "chat_template.jinja", "config.json", "generation_config.json",
          "model.safetensors", "tokenizer.json", "tokenizer_config.json")  # fmt: skip
-
-
-def commit(built: Path, committed: Path = COMMITTED) -> Path:
-    """Copies a cached build (`jaxrlhf.models.bed.bed_path`) into the committed folder."""
-    folder = committed / built.name
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in FILES:
-        shutil.copy2(built / name, folder / name)
-    return folder
 
 
 def same_file(a: Path, b: Path) -> bool:
