@@ -276,3 +276,54 @@ def test_installing_start_models_replaces_another_build_of_the_recipe(tmp_path):
         assert (cache / name / COMPLETE).exists()
         assert (cache / name / "model.safetensors").read_text() == f"{name}/model.safetensors"
     assert all("already" in line for line in install(committed, cache))
+
+
+def test_the_committed_start_models_record_the_start_their_runs_began_from():
+    """start.json beside each committed build holds the start accuracies every committed run of
+    claim (c) on it recorded (those runs all began from the committed builds)."""
+    from jaxrlhf.experiments.claims import start_models as sm
+
+    folders = sorted((sm.COMMITTED.parent / "c").glob("*/N*/seed*"))
+    assert len(folders) >= 54
+    for folder in folders:
+        size = folder.parent.parent.name
+        assert not sm.other_start(folder, size), folder
+        recorded = json.loads((sm.committed_build(size) / sm.START).read_text())
+        ran = json.loads((folder / "summary.json").read_text())
+        assert [ran[k] for k in sm.START_KEYS] == [recorded[k] for k in sm.START_KEYS]
+    with pytest.raises(FileNotFoundError, match="bed-xl"):
+        sm.committed_build("bed-xl")
+
+
+def test_rerun_other_starts_reruns_only_the_runs_from_another_build(tmp_path, monkeypatch):
+    """`--rerun-other-starts` runs the missing runs and those that began from another build of
+    their model (here the start every run before 2026-12-06 recorded: the bed at 32.93% of test,
+    37.48% of validation); a run from the committed build is kept."""
+    from jaxrlhf.experiments.claims import __main__ as cli
+    from jaxrlhf.experiments.claims.start_models import START, committed_build
+    from jaxrlhf.experiments.runner import Runner
+
+    out = (tmp_path / "claims").resolve()
+    base = ["--claim", "c", "--seeds", "0", "--out", str(out), "--arms", "bed/*"]
+    plan = cli.PLANS["c"](cli.settings_of(cli.parse_args(base), "c"), out)
+    committed = json.loads((committed_build("bed") / START).read_text())
+    earlier = {"test_accuracy_start": 0.32932692766189575,
+               "eval_accuracy_start": 0.37484118342399597}  # fmt: skip
+    starts = {"bed/N1": committed, "bed/N16": earlier, "bed/N64": committed}
+    for run in plan:  # the bed's three arms finished with the planned overrides
+        if run.labels["arm"] in starts:
+            write_run(run.folder, 0.6)
+            summary = json.loads((run.folder / "summary.json").read_text())
+            summary |= starts[run.labels["arm"]]
+            (run.folder / "summary.json").write_text(json.dumps(summary))
+            (run.folder / "experiment.json").write_text(json.dumps(run.overrides))
+    monkeypatch.setattr(cli.start_models, "install", lambda: [])
+    chosen: list[list[str]] = []
+
+    def run_all(self, runs, last, on_progress=None):
+        chosen.append([r.labels["arm"] for r in runs if self.needs_run(r)])
+
+    monkeypatch.setattr(Runner, "run_all", run_all)
+    for argv in (base, [*base, "--rerun-other-starts"]):
+        cli.run_claim("c", cli.parse_args(argv))
+    assert chosen == [[], ["bed/N16"]]

@@ -117,9 +117,13 @@ class Runner:
         self.rerun, self.report_only = rerun, report_only
         self.keep_checkpoints = keep_checkpoints
         self.generator_restarts = 0
+        # Finished runs to run again all the same (e.g. a claim's runs from another start model).
+        self.stale: Callable[[PlannedRun], bool] = lambda run: False
 
     def needs_run(self, run: PlannedRun) -> bool:
-        return not self.report_only and (self.rerun or not finished_with(run.folder, run.overrides))
+        return not self.report_only and (
+            self.rerun or not finished_with(run.folder, run.overrides) or self.stale(run)
+        )
 
     def run_all(
         self,

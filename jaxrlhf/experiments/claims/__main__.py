@@ -34,6 +34,10 @@ def parse_args(argv: Sequence[str] | None):
     parser.add_argument("--generator-addresses", default="",
                         help="running services (as the other experiments' flag)")  # fmt: skip
     parser.add_argument("--rerun", action="store_true", help="rerun runs already finished")
+    parser.add_argument("--rerun-other-starts", action="store_true",
+                        help="rerun the finished runs that began from another build of "
+                             "their start model than the committed one "
+                             "(start_models.other_start)")  # fmt: skip
     parser.add_argument("--arms", default="",
                         help='run only the arms matching these patterns, e.g. "sync,grpo*/N16" '
                              "(the report still reads every arm's records)")  # fmt: skip
@@ -68,6 +72,9 @@ def run_claim(claim: str, args) -> dict:
             print(f"[claim {claim}] start model {line}", flush=True)
         runner = Runner(CONFIGS / "bed.py", out / claim, f"claim {claim}",
                         args.generator_addresses, rerun=args.rerun)  # fmt: skip
+        if args.rerun_other_starts:
+            runner.stale = lambda run: start_models.other_start(
+                run.folder, start_models.model_of(run.overrides))  # fmt: skip
         patterns = [p for p in args.arms.split(",") if p]
         chosen = [run for run in runs if not patterns
                   or any(fnmatch.fnmatch(run.labels["arm"], p) for p in patterns)]  # fmt: skip

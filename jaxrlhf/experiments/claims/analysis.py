@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxrlhf.experiments import read_run
+from jaxrlhf.experiments.claims.start_models import model_of
 from jaxrlhf.experiments.compute import run_curve
 from jaxrlhf.experiments.runner import PlannedRun
 from jaxrlhf.experiments.stats import Comparison, compare, holm, mean_stderr
@@ -54,7 +55,7 @@ def run_figures(run: PlannedRun, last: int = 5) -> dict[str, Any] | None:
         "validation": summary.get("eval_accuracy_end", math.nan) * POINTS,
         "test_start": (summary.get("test_accuracy_start") or math.nan) * POINTS,
         "validation_start": (summary.get("eval_accuracy_start") or math.nan) * POINTS,
-        "model": run.overrides.get("model.path", "bed"),
+        "model": model_of(run.overrides),
         "kl": mean_of("kl", tail),
         "curve": run_curve(records, summary),
         "learner_seconds": sum(r["step_s"] for r in records),

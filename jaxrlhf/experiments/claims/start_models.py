@@ -12,11 +12,18 @@ before a claim runs, `install` puts them in the cache in place of any other buil
 recipe. Pieces run on any machine then start from the same weights; what still differs is
 the machine's float arithmetic (each claim's report lists its runs' start accuracies, and a
 seed is paired only within one: `analysis.matched_seeds`).
+
+Beside each build, `start.json` holds its greedy accuracies before training, as its first runs
+recorded them. A finished run whose start differs began from another build (an earlier
+machine's): `other_start` finds it, and `--rerun-other-starts` reruns such runs (a seed split
+across two builds, made whole one run at a time).
 """
 
 from __future__ import annotations
 
 import filecmp
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -26,6 +33,8 @@ from jaxrlhf.models.built import COMPLETE, built_once, cache_dir
 COMMITTED = REPO / "results" / "claims" / "start-models"
 FILES = ("bed.json", "chat_template.jinja", "config.json", "generation_config.json",
          "model.safetensors", "tokenizer.json", "tokenizer_config.json")  # fmt: skip
+START = "start.json"  # beside each committed build (module docstring)
+START_KEYS = ("test_accuracy_start", "eval_accuracy_start")
 
 
 def same_file(a: Path, b: Path) -> bool:
@@ -52,3 +61,29 @@ def install(committed: Path = COMMITTED, root: Path | None = None) -> list[str]:
         built_once(target, lambda tmp, source=source: [shutil.copy2(source / n, tmp / n)
                                                         for n in FILES])  # fmt: skip
     return lines
+
+
+def model_of(overrides: dict) -> str:
+    """The start model a claim run's overrides name (the bed when none)."""
+    return overrides.get("model.path", "bed")
+
+
+def committed_build(model: str, committed: Path = COMMITTED) -> Path:
+    """The committed build of `model` (e.g. "bed-m"): its folder `{model}-{digest16}`."""
+    name = re.compile(re.escape(model) + r"-[0-9a-f]{16}")
+    (build,) = [p for p in committed.glob(f"{model}-*") if name.fullmatch(p.name)] or [None]
+    if build is None:
+        raise FileNotFoundError(f"no committed start model {model!r} in {committed}")
+    return build
+
+
+def other_start(folder: Path, model: str, committed: Path = COMMITTED) -> bool:
+    """Whether `folder` holds a finished run (summary.json) that began from another build of
+    `model` than the committed one: a start accuracy differing from the build's `start.json`
+    by 0.01 points or more (the resolution `analysis.start_of` pairs at)."""
+    summary = folder / "summary.json"
+    if not summary.exists():
+        return False
+    ran = json.loads(summary.read_text())
+    recorded = json.loads((committed_build(model, committed) / START).read_text())
+    return any(ran.get(k) is None or round(ran[k] - recorded[k], 4) != 0 for k in START_KEYS)
