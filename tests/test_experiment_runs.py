@@ -236,6 +236,12 @@ def test_every_claim_runs(generator_address, in_flight_server, tiny_llama, tmp_p
         assert (tmp_path / claim / arm / "seed0" / "summary.json").exists(), (claim, arm)
     metrics = (tmp_path / "e" / "U2" / "seed0" / "metrics.jsonl").read_text()
     assert [json.loads(line)["step"] for line in metrics.splitlines()] == [1, 2]
+    # The evaluation after update 1 measured the weights served: with N = 16 (publishes after
+    # updates 16 and 2, the last) the start model's, with N = 1 those of update 1.
+    for claim, arm, updates in (("b", "grpo+mask/N16", 0), ("c", "bed/N1", 1)):
+        lines = (tmp_path / claim / arm / "seed0" / "metrics.jsonl").read_text().splitlines()
+        first = json.loads(lines[0])
+        assert "test_accuracy" in first and first["evaluated_updates"] == updates, (claim, arm)
     table = run(["-m", "jaxrlhf.experiments.claims", "--report-only", "--out", str(tmp_path)])
     assert table == (tmp_path / "claims.md").read_text()
     assert all(f"| ({claim}) " in table for claim in "abcdef")  # a row each, run or not

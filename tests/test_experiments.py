@@ -806,6 +806,28 @@ def test_compute_curve_times_the_learner_without_evaluations():
     assert seconds == [40, 40 + 11.5 + 11, 62.5 + 11.5 + 12]
 
 
+def test_a_curve_places_each_evaluation_at_the_updates_of_the_weights_it_measured():
+    """Between two publishes the generators serve the last publish's weights: a run of 8
+    updates publishing every 4, evaluated after 2, 4 and 6 and at its end, measured the start
+    model's weights after 2 and update 4's after 6 (no new points: those weights have theirs)."""
+    from jaxrlhf.experiments import compute
+
+    summary = {"test_accuracy_start": 0.1, "eval_accuracy_start": 0.15,
+               "test_accuracy_end": 0.5, "eval_accuracy_end": 0.45}  # fmt: skip
+    evals = {2: (0.1, 0.15), 4: (0.4, 0.35), 6: (0.4, 0.35)}
+    older = compute_records([10] * 8, [0.5] * 8, evals)  # records before `evaluated_updates`
+    expected = [(0, 0.1, 0.0, 0.0), (4, 0.4, 0.4, 40), (8, 0.5, 0.8, 80)]
+    curve = compute.run_curve(older, summary, sync_every=4)
+    assert [(p["step"], p["test"], p["kl"], p["seconds"]) for p in curve] == expected
+    measured = {2: 0, 4: 4, 6: 4}  # as the evaluator now records them
+    recorded = [{**r, "evaluated_updates": measured[r["step"]]} if r["step"] in measured else r
+                for r in older]  # fmt: skip
+    curve = compute.run_curve(recorded, summary)
+    assert [(p["step"], p["test"], p["kl"], p["seconds"]) for p in curve] == expected
+    # Publishing every update (the default), each evaluation is its own step's.
+    assert [p["step"] for p in compute.run_curve(older, summary)] == [0, 2, 4, 6, 8]
+
+
 def test_compute_curves_and_time_to_target_by_hand():
     from jaxrlhf.experiments import compute
 

@@ -99,9 +99,18 @@ WORKLOADS = {
 SPLITS = {"test": "test_accuracy", "validation": "eval_accuracy"}
 
 
-def run_curve(records: Sequence[dict[str, Any]], summary: dict[str, Any]) -> list[dict[str, Any]]:
+def run_curve(
+    records: Sequence[dict[str, Any]], summary: dict[str, Any], sync_every: int = 1
+) -> list[dict[str, Any]]:
     """One run's points, one per evaluation (step 0 when it was evaluated before training):
-    step, seconds (the learner's time so far, module docstring), kl, and the accuracies."""
+    step, seconds (the learner's time so far, module docstring), kl, and the accuracies.
+
+    A point's step is the number of updates in the weights it measured: an evaluation reads
+    the generators' weights, which between two publishes (`sync_every` > 1) are the last
+    publish's. Records since the evaluator wrote it hold it (`evaluated_updates`); for older
+    ones it is the step rounded down to a multiple of `sync_every` (every run publishes then
+    and at its last step). A second evaluation of the same weights (e.g. the start model's,
+    again at step 16 of a run publishing every 64) adds no point."""
     records = sorted(records, key=lambda r: r["step"])
     evaluated = {r["step"] for r in records if any(k in r for k in SPLITS.values())}
     last = records[-1]["step"] if records else 0
@@ -110,15 +119,22 @@ def run_curve(records: Sequence[dict[str, Any]], summary: dict[str, Any]) -> lis
     after_eval = {step + 1 for step in evaluated}
     plain = [r["step_s"] for r in records if r["step"] not in after_eval]
     typical = statistics.median(plain) if plain else None
-    points, seconds = [], 0.0
-    if start := _start_point(summary):
-        points.append(start)
+    seconds_at, kl_at, seconds = {0: 0.0}, {0: 0.0}, 0.0
     for r in records:
         corrected = r["step"] in after_eval and typical is not None
         seconds += typical if corrected else r["step_s"]
+        seconds_at[r["step"]], kl_at[r["step"]] = seconds, r.get("kl")
+    points = []
+    if start := _start_point(summary):
+        points.append(start)
+    for r in records:
         if r["step"] not in evaluated:
             continue
-        point = {"step": r["step"], "seconds": seconds, "kl": r.get("kl")}
+        at = r["step"] if r["step"] == last else r["step"] - r["step"] % sync_every
+        at = r.get("evaluated_updates", at)
+        if any(p["step"] == at for p in points):
+            continue
+        point = {"step": at, "seconds": seconds_at[at], "kl": kl_at[at]}
         for split, key in SPLITS.items():
             value = r.get(key)
             if value is None and r["step"] == last:

@@ -156,7 +156,9 @@ class Evaluator:
 
     def during(self, step: int) -> dict[str, float]:
         """The evaluations due after `step` (`eval.every`, `eval.test_every`; the end of the
-        run is evaluated by `after_training`)."""
+        run is evaluated by `after_training`), and `evaluated_updates`: the updates in the
+        weights they measured (the generators serve the last publish's, `step` rounded down
+        to a multiple of `sync_every` in a run without a resume)."""
         last = step == self.cfg.total_steps
         due = [
             split
@@ -166,7 +168,11 @@ class Evaluator:
         ]  # fmt: skip
         if not due:
             return {}
-        return {self.key(split): float(np.mean(s)) for split, s in self.scores(due).items()}
+        out = {self.key(split): float(np.mean(s)) for split, s in self.scores(due).items()}
+        # The weights evaluated are those served (their publish finished first): between two
+        # publishes (sync_every > 1) they hold fewer updates than `step`.
+        out["evaluated_updates"] = self.publisher.served - self.publisher.base_version
+        return out
 
     def after_training(self) -> dict[str, float]:
         out = {}

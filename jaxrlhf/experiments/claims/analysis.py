@@ -20,6 +20,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ml_collections
+
+from jaxrlhf.config.checks import resolve
 from jaxrlhf.experiments import read_run
 from jaxrlhf.experiments.claims.start_models import model_of
 from jaxrlhf.experiments.compute import run_curve
@@ -29,6 +32,14 @@ from jaxrlhf.experiments.stats import Comparison, compare, holm, mean_stderr
 POINTS = 100.0
 # "As good": the 95% interval of async − sync lies above −MARGIN points (non-inferiority).
 MARGIN = 2.0
+
+
+def sync_every(overrides: dict[str, Any]) -> int:
+    """A claim run's publish interval, as the config resolves it from its overrides (the bed's
+    config leaves both keys at their defaults)."""
+    keys = {"num_mini_batches": 0, "sync_every": 1, "max_staleness": 0}
+    config = ml_collections.ConfigDict({k: overrides.get(k, v) for k, v in keys.items()})
+    return resolve(config).sync_every
 
 
 def run_figures(run: PlannedRun, last: int = 5) -> dict[str, Any] | None:
@@ -57,7 +68,7 @@ def run_figures(run: PlannedRun, last: int = 5) -> dict[str, Any] | None:
         "validation_start": (summary.get("eval_accuracy_start") or math.nan) * POINTS,
         "model": model_of(run.overrides),
         "kl": mean_of("kl", tail),
-        "curve": run_curve(records, summary),
+        "curve": run_curve(records, summary, sync_every(run.overrides)),
         "learner_seconds": sum(r["step_s"] for r in records),
         "wall_seconds": summary.get("wall_seconds"),
         "mixed_version_fraction": mean_of("mixed_version_fraction", later),
