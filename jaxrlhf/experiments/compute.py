@@ -134,7 +134,8 @@ def run_curve(
         at = r.get("evaluated_updates", at)
         if any(p["step"] == at for p in points):
             continue
-        point = {"step": at, "seconds": seconds_at[at], "kl": kl_at[at]}
+        # (a resumed run's records may begin after the weights it evaluated)
+        point = {"step": at, "seconds": seconds_at.get(at), "kl": kl_at.get(at)}
         for split, key in SPLITS.items():
             value = r.get(key)
             if value is None and r["step"] == last:
