@@ -213,17 +213,24 @@ CLAIM_ARMS = {"pilot": "sync", "a": "continuous", "b": "grpo+mask/N16", "c": "be
 
 
 @pytest.mark.slow
-def test_every_claim_runs(generator_address, in_flight_server, tiny_llama, tmp_path):
+def test_every_claim_runs(generator_address, in_flight_server, tiny_llama, tmp_path,
+                          monkeypatch, capsys):  # fmt: skip
     """One seed, two updates, one arm of each claim on the tiny model (its own sizes and
-    context), then the claims table from the records alone."""
+    context), then the claims table from the records alone. The claims command runs in this
+    process (its runs are `jaxrlhf.main` subprocesses, as ever), which saves eight start-ups:
+    its command line is tested once as typed, by the report below."""
+    from jaxrlhf.experiments.claims.__main__ import main as claims_main
+
+    monkeypatch.setenv("XLA_FLAGS", "")  # the runs' environment, as `run` gives it
     generators = f"drain={generator_address},in-flight-keep={in_flight_server.address}"
     tiny = [f"--config.model.path={tiny_llama}", "--config.rollout.prompts_per_batch=2",
             "--config.rollout.max_prompt_tokens=48", "--config.generator.max_model_len=256",
             *QUICK]  # fmt: skip
     for claim, arms in CLAIM_ARMS.items():
-        run(["-m", "jaxrlhf.experiments.claims", "--claim", claim, "--arms", arms, "--seeds",
-             "0", "--steps", "2", "--eval-every", "1", "--out", str(tmp_path),
-             "--generator-addresses", generators, *tiny])  # fmt: skip
+        claims_main(["--claim", claim, "--arms", arms, "--seeds", "0", "--steps", "2",
+                     "--eval-every", "1", "--out", str(tmp_path), "--generator-addresses",
+                     generators, *tiny])  # fmt: skip
+        assert f"records: {tmp_path / claim}" in capsys.readouterr().out
         record = json.loads((tmp_path / claim / "claim.json").read_text())
         assert record["settings"]["seeds"] == [0] and (tmp_path / claim / "claim.png").exists()
     # The pilot's runs are claim (a)'s first arms: (a) ran continuous alone and pairs both.
