@@ -217,7 +217,7 @@ def test_every_claim_runs(generator_address, in_flight_server, tiny_llama, tmp_p
                           monkeypatch, capsys):  # fmt: skip
     """One seed, two updates, one arm of each claim on the tiny model (its own sizes and
     context), then the claims table from the records alone. The claims command runs in this
-    process (its runs are `jaxrlhf.main` subprocesses, as ever), which saves eight start-ups:
+    process (its runs are `jaxrlhf.main` subprocesses, as ever), which saves seven start-ups:
     its command line is tested once as typed, by the report below."""
     from jaxrlhf.experiments.claims.__main__ import main as claims_main
 
