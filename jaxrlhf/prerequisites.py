@@ -12,9 +12,11 @@ missing and exit 2, instead of a traceback from deep inside a stage.
 
 Local checks come first, then the hub is asked about what is not cached: one
 `huggingface_hub.auth_check` request per name, nothing downloaded. A name is "unreachable"
-when that request fails without an answer from the hub (no network, HF_HUB_OFFLINE=1, a
-timeout); a gated repository is recognised by the error huggingface_hub raises for the hub's
-answer (`GatedRepoError`). `JAXRLHF_TRACEBACK=1` prints the traceback behind a refusal.
+when that request fails without an answer from the hub (no network, a timeout), or when
+huggingface_hub is offline: HF_HUB_OFFLINE=1, or TRANSFORMERS_OFFLINE=1, which it reads
+the same (the refusal names the one set). A gated repository is recognised by the error
+huggingface_hub raises for the hub's answer (`GatedRepoError`). `JAXRLHF_TRACEBACK=1`
+prints the traceback behind a refusal.
 """
 
 from __future__ import annotations
@@ -265,7 +267,11 @@ def _check_hub(need: Need) -> None:
         validate_repo_id(need.value)
     except HFValidationError as error:
         raise Missing(f"{named} is neither a local folder nor a hub name", error) from None
-    if (_cached_dataset if repo_type == "dataset" else _cached_model)(need.value):
+    if repo_type == "dataset":
+        cached = _cached_dataset(need.value)
+    else:  # a reward or value model is read with the policy's tokenizer
+        cached = _cached_model(need.value, tokenizer=need.kind == "tokenizer model")
+    if cached:
         return
     snapshot = _hub_snapshot(need.value, repo_type) if repo_type == "dataset" else None
     if snapshot:
@@ -273,12 +279,18 @@ def _check_hub(need: Need) -> None:
     if constants.HF_HUB_OFFLINE:
         raise Missing(
             f"{named}: the {repo_type} is not in the local cache and the hub cannot be reached "
-            f"(HF_HUB_OFFLINE is set); {fix}"
+            f"({offline_variable()} is set); {fix}"
         )
     try:
         auth_check(need.value, repo_type=repo_type)
     except Exception as error:  # noqa: BLE001 - classified below, whatever the transport
         raise _hub_refusal(error, named, need.value, repo_type, fix) from None
+
+
+def offline_variable() -> str:
+    """The variable that keeps huggingface_hub offline: HF_HUB_OFFLINE when set (to anything),
+    else TRANSFORMERS_OFFLINE, which huggingface_hub reads as HF_HUB_OFFLINE (`constants`)."""
+    return "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
 
 
 def _hub_refusal(error: Exception, named: str, name: str, repo_type: str, fix: str) -> Missing:
@@ -314,8 +326,10 @@ def _hub_refusal(error: Exception, named: str, name: str, repo_type: str, fix: s
     )
 
 
-def _cached_model(name: str) -> bool:
-    """Whether the hub cache holds the files `resolve_model_path` would download."""
+def _cached_model(name: str, tokenizer: bool) -> bool:
+    """Whether the hub cache holds the files `resolve_model_path` would download: weights and
+    config, and a tokenizer when one is read (the policy's; a reward or value model is read
+    with the policy's tokenizer)."""
     from huggingface_hub import snapshot_download
 
     from jaxrlhf.models.hf_io import HUB_PATTERNS
@@ -324,7 +338,7 @@ def _cached_model(name: str) -> bool:
         folder = Path(snapshot_download(name, allow_patterns=HUB_PATTERNS, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached, or cached in part
         return False
-    return model_folder_problem(folder, tokenizer=True) is None
+    return model_folder_problem(folder, tokenizer=tokenizer) is None
 
 
 def _cached_dataset(name: str) -> bool:

@@ -104,6 +104,18 @@ def pytest_configure(config):
 
 
 REPO = Path(__file__).resolve().parent.parent
+# What the user's shell may hold that changes what Hugging Face libraries do: HF_* (offline
+# switches, token, endpoint, cache), and the older names huggingface_hub still reads the same:
+# TRANSFORMERS_OFFLINE (as HF_HUB_OFFLINE) and HUGGING_FACE_HUB_TOKEN (as HF_TOKEN).
+HUB_VARIABLES = ("HF_", "HUGGING_FACE_", "TRANSFORMERS_OFFLINE")
+
+
+def without_hub_settings() -> dict[str, str]:
+    """os.environ without the HUB_VARIABLES: the environment of a command whose hub behaviour a
+    test sets itself, whatever the user exported (issue 59)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(HUB_VARIABLES)}
+
+
 # Generated models live in the git-ignored cache so reruns reuse them.
 TEST_CACHE = Path(os.environ.get("JAXRLHF_TEST_CACHE", REPO / ".cache" / "test-models"))
 

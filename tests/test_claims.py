@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
 
+from jaxrlhf.experiments.claims.analysis import arm_rows, by_arm, run_figures
 from jaxrlhf.experiments.claims.figures import claims_table, markdown
 from jaxrlhf.experiments.claims.plans import PLANS, Settings, loss_cells
 from jaxrlhf.experiments.claims.verdicts import analyse
@@ -58,6 +60,23 @@ def test_async_as_good_pairs_by_seed_and_judges_by_the_interval(tmp_path):
         rows["sync"]["staleness_later"] == [1.0, 1.0] and rows["sync"]["token_staleness_max"] == 1
     )
     assert "| 1.00-1.00 | 1 |" in markdown(record)
+
+
+def test_an_accuracy_of_zero_is_a_figure_and_a_missing_one_is_nan(tmp_path):
+    settings = Settings(seeds=(0, 1), steps=4, eval_every=2)
+    runs = [r for r in PLANS["a"](settings, tmp_path) if r.labels["arm"] == "sync"]
+    for run in runs:  # a model that answers nothing right, before and after training
+        write_run(run.folder, 0.0, validation=0.0, start=0.0)
+    summary = json.loads((runs[1].folder / "summary.json").read_text())
+    summary |= {"eval_accuracy_start": None, "eval_accuracy_end": None}
+    del summary["test_accuracy_start"]
+    (runs[1].folder / "summary.json").write_text(json.dumps(summary))
+    zero, missing = run_figures(runs[0]), run_figures(runs[1])
+    assert [zero[k] for k in ("test", "validation", "test_start", "validation_start")] == [0.0] * 4
+    assert missing["test"] == 0.0
+    assert all(math.isnan(missing[k]) for k in ("validation", "test_start", "validation_start"))
+    row = arm_rows(by_arm(runs), {"sync": 2})[0]
+    assert row["test_start"] == 0.0 and row["test"] == 0.0
 
 
 def test_async_as_good_is_supported_only_above_the_margin(tmp_path):

@@ -2,19 +2,19 @@
 traceback, nothing written (issue 47).
 
 Every command runs as a user runs it, in a fresh folder (`runs/` is relative to it) with no
-Hugging Face cache and no token. "The hub cannot be reached" is real, never mocked: the hub
-endpoint is a closed local port (the same ConnectError as no network, on any machine), or
-HF_HUB_OFFLINE=1. The hub's answer for a gated model cannot be fetched here: a local server
-answers huggingface_hub's request as the hub does for a gated repository (401 with
-`X-Error-Code: GatedRepo`), so huggingface_hub's own code classifies it (`GatedRepoError`).
-Whether the real hub still answers so is not covered.
+Hugging Face cache, no token and none of the hub variables of the shell that runs the tests
+(`conftest.without_hub_settings`: HF_*, TRANSFORMERS_OFFLINE, HUGGING_FACE_HUB_TOKEN). "The
+hub cannot be reached" is real, never mocked: the hub endpoint is a closed local port (the
+same ConnectError as no network, on any machine), or HF_HUB_OFFLINE=1. The hub's answer for a
+gated model cannot be fetched here: a local server answers huggingface_hub's request as the
+hub does for a gated repository (401 with `X-Error-Code: GatedRepo`), so huggingface_hub's
+own code classifies it (`GatedRepoError`). Whether the real hub still answers so is not covered.
 """
 
 from __future__ import annotations
 
 import http.server
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, tiny_model
+from tests.conftest import REPO, tiny_model, without_hub_settings
 
 FIXTURES = REPO / "tests" / "fixtures" / "data"
 NO_ROBOTS, TOY_PREF = FIXTURES / "no_robots", FIXTURES / "toy_pref"
@@ -100,6 +100,23 @@ def unfinished_sft(cwd: Path, model: Path) -> None:
     (cwd / "runs" / "nobots" / "sft" / "checkpoints" / "1" / "state").mkdir(parents=True)
 
 
+def hf_home(cwd: Path) -> Path:
+    """The HF_HOME of the command run in `cwd` (empty unless a setup fills it)."""
+    return cwd.parent / "hf"
+
+
+def cached_reward_model(cwd: Path, model: Path) -> None:
+    """someone/reward in the hub cache as huggingface_hub leaves a download of a reward model:
+    config and weights, no tokenizer files (it is read with the policy's tokenizer)."""
+    commit = "0" * 40
+    repo = hf_home(cwd) / "hub" / "models--someone--reward"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model / name, repo / "snapshots" / commit / name)
+
+
 MAIN, EVALUATE, PLAN = "jaxrlhf.main", "jaxrlhf.evaluate", "jaxrlhf.plan"
 SERVICE = "generator_service"
 HUB_DOWN = "the hub cannot be reached (ConnectError"
@@ -124,6 +141,8 @@ CASES = [
      ["config.model.path=microsoft/rho-math-1b-v0.1:", HUB_DOWN, NO_FOLDER]),
     ("hub-offline", MAIN, ["--config=configs/nobots.py", *DATA], "offline", None,
      [f"config.model.path={GATED}:", "(HF_HUB_OFFLINE is set)", NO_FOLDER]),
+    ("transformers-offline", MAIN, ["--config=configs/nobots.py", *DATA], "transformers-offline",
+     None, [f"config.model.path={GATED}:", "(TRANSFORMERS_OFFLINE is set)", NO_FOLDER]),
     # Llama 3.1 is gated: reachable, but not without a token (or with one that has no access).
     ("gated", MAIN, ["--config=configs/nobots.py", *DATA], "gated", None,
      [f"config.model.path={GATED} is a gated model and no Hugging Face token is set",
@@ -177,6 +196,16 @@ CASES = [
                             "--config.task.reward_model=/no/such/rm",
                             f"--config.task.source={FIXTURES}/tldr_sft"], "", None,
      ["config.task.reward_model=/no/such/rm does not exist"]),
+    # A hub reward model cached without tokenizer files is no problem (the one line is the
+    # source's); a policy model so cached is not cached: its tokenizer is read.
+    ("hub-reward-model", MAIN, ["--config=configs/tldr.py:rlhf", "--config.model.path={model}",
+                                "--config.task.reward_model=someone/reward",
+                                "--config.task.source=/no/such/tldr"], "", cached_reward_model,
+     ["config.task.source=/no/such/tldr does not exist"]),
+    ("hub-policy-model", MAIN, ["--config=configs/gsm8k.py", "--config.model.path=someone/reward",
+                                f"--config.task.source={FIXTURES}/gsm8k"], "",
+     cached_reward_model, ["config.model.path=someone/reward: the model is not in the local "
+                           "cache", HUB_DOWN, NO_FOLDER]),
     ("reward-model-empty", MAIN, ["--config=configs/tldr.py:rlhf", "--config.model.path={model}",
                                   "--config.task.reward_model={empty}",
                                   f"--config.task.source={FIXTURES}/tldr_sft"], "", None,
@@ -247,20 +276,42 @@ def files_under(folder: Path) -> set[str]:
 def test_a_missing_prerequisite_is_one_line_and_exit_2(
     module, arguments, environment, setup, fragments, stand_ins, closed_port, gated_hub, tmp_path
 ):
+    hub = gated_hub if "gated" in environment.split() else closed_port
+    refused(module, arguments, environment, setup, fragments, stand_ins, hub, tmp_path)
+
+
+@pytest.mark.parametrize("case", ["nobots", "gated"])
+def test_the_users_hub_variables_do_not_reach_the_commands(
+    case, monkeypatch, stand_ins, closed_port, gated_hub, tmp_path
+):
+    """As exported on an offline machine (or with a token): each case refuses as without them."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_a_token_of_the_user")
+    monkeypatch.setenv("HF_TOKEN", "hf_a_token_of_the_user")
+    module, arguments, environment, setup, fragments = {c[0]: c[1:] for c in CASES}[case]
+    hub = gated_hub if "gated" in environment.split() else closed_port
+    refused(module, arguments, environment, setup, fragments, stand_ins, hub, tmp_path)
+
+
+def refused(module, arguments, environment, setup, fragments, stand_ins, hub, tmp_path) -> None:
+    """Runs `python -m module arguments` in a fresh folder, the hub at `hub` and no Hugging Face
+    variable of the user's (`environment`: the ones the case sets); asserts the one line."""
     cwd = tmp_path / "clone"
     cwd.mkdir()
     (cwd / "configs").symlink_to(REPO / "configs")
     if setup:
         setup(cwd, stand_ins["model"])
     before = files_under(cwd)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(
-        PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="", HF_HOME=str(tmp_path / "hf"),
-        HF_ENDPOINT=gated_hub if "gated" in environment else closed_port,
-    )  # fmt: skip
-    if "offline" in environment:
+    env = without_hub_settings()
+    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="",
+               HF_HOME=str(hf_home(cwd)), HF_ENDPOINT=hub)  # fmt: skip
+    words = environment.split()
+    if "offline" in words:
         env["HF_HUB_OFFLINE"] = "1"
-    if "token" in environment:
+    if "transformers-offline" in words:
+        env["TRANSFORMERS_OFFLINE"] = "1"
+    if "token" in words:
         env["HF_TOKEN"] = "hf_a_token_without_access"
     arguments = [a.format(**{k: str(v) for k, v in stand_ins.items()}) for a in arguments]
     result = subprocess.run([sys.executable, "-m", module, *arguments], cwd=cwd, env=env,
@@ -277,7 +328,7 @@ def test_a_missing_prerequisite_is_one_line_and_exit_2(
 
 
 def test_the_traceback_behind_a_refusal_is_shown_on_request(closed_port, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env = without_hub_settings()
     env.update(JAXRLHF_TRACEBACK="1", JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(REPO),
                HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=closed_port)  # fmt: skip
     result = subprocess.run([sys.executable, "-m", MAIN, "--config=configs/gsm8k.py"], cwd=REPO,

@@ -61,11 +61,15 @@ def run_figures(run: PlannedRun, last: int = 5) -> dict[str, Any] | None:
         values = [r[key] for r in rows if r.get(key) is not None]
         return float(statistics.fmean(values)) if values else math.nan
 
+    def points(key: str) -> float:  # a missing or null figure is NaN; a real 0.0 stays 0.0
+        value = summary.get(key)
+        return math.nan if value is None else value * POINTS
+
     return {
-        "test": summary["test_accuracy_end"] * POINTS,
-        "validation": summary.get("eval_accuracy_end", math.nan) * POINTS,
-        "test_start": (summary.get("test_accuracy_start") or math.nan) * POINTS,
-        "validation_start": (summary.get("eval_accuracy_start") or math.nan) * POINTS,
+        "test": points("test_accuracy_end"),
+        "validation": points("eval_accuracy_end"),
+        "test_start": points("test_accuracy_start"),
+        "validation_start": points("eval_accuracy_start"),
         "model": model_of(run.overrides),
         "kl": mean_of("kl", tail),
         "curve": run_curve(records, summary, sync_every(run.overrides)),
