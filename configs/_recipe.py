@@ -8,7 +8,10 @@
 
 Each stage starts from the previous stage's output dir (`runs/<task>/<stage>`; its `hf_export/`
 is picked up). Without a stage, the config is the RLHF stage's and `recipe.whole` is set:
-`jaxrlhf.main` then runs the stages it needs first (`jaxrlhf.stages.chain`).
+`jaxrlhf.main` then runs the stages it needs first (`jaxrlhf.stages.chain`). That config also
+carries the SFT and reward stages' configs under `sft` and `reward` (`whole_recipe`), so that
+`--config.sft.train.learning_rate=2e-5` is checked against the SFT stage's keys and reaches it
+alone; a plain `--config.train.learning_rate` reaches the RLHF stage (docs/recipes.md).
 """
 
 from jaxrlhf.config import STAGES, base_config
@@ -29,6 +32,16 @@ def recipe(task: str, stage: str, base_model: str):
     config.model.architecture = base_model  # the shapes, before the SFT stage has run
     config.task.reward_model_architecture = base_model  # the reward stage starts from SFT
     config.eval.sft_model = f"{root}/sft"
-    # Where the stages' folders are, and whether `jaxrlhf.main` runs the whole recipe.
-    config.recipe = dict(root=root, whole=whole)
+    # Where the stages' folders are, whether `jaxrlhf.main` runs the whole recipe, and the first
+    # stage it reruns whatever its folder holds ("" = none: jaxrlhf.stages.chain).
+    config.recipe = dict(root=root, whole=whole, rerun_from="")
     return config, root
+
+
+def whole_recipe(config, get_config, earlier=STAGES[:-1]):
+    """`config`, and when it is a whole recipe's, the config of each stage of `earlier` (those
+    the task has) under its name (`get_config(stage)`: the recipe file's own)."""
+    if config.recipe.whole:
+        for stage in earlier:
+            config[stage] = get_config(stage)
+    return config

@@ -10,7 +10,7 @@ Hardware (expected, not measured here): one 80 GB GPU for the 1B learner in fp32
 generator service. Paper settings: K = 4 samples per prompt, lr 3e-6, responses up to 512 tokens.
 """
 
-from configs._recipe import recipe
+from configs._recipe import recipe, whole_recipe
 
 SFT_MODEL = "realtreetune/rho-1b-sft-GSM8K"
 
@@ -47,4 +47,4 @@ def get_config(stage: str = ""):
         config.total_steps = 7_473 // 64 * 2
         config.generator.max_model_len = 1024
         config.checkpoint.every = 10
-    return config
+    return whole_recipe(config, get_config, earlier=("sft",))  # no reward stage: a checker

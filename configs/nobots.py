@@ -14,7 +14,7 @@ the learner (`mesh.shape=(1,-1,1)`, remat on) plus one or more GPUs running gene
 step, responses up to 1024 tokens, temperature 0.7, missing-EOS penalty -10.
 """
 
-from configs._recipe import recipe
+from configs._recipe import recipe, whole_recipe
 
 
 def get_config(stage: str = ""):
@@ -55,4 +55,4 @@ def get_config(stage: str = ""):
         config.generator.dtype = "bfloat16"
         config.generator.max_model_len = 2048
         config.checkpoint.every = 10
-    return config
+    return whole_recipe(config, get_config)

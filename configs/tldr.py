@@ -15,7 +15,7 @@ Evaluation: win rate against the human reference summaries under a gold reward m
 `--config.eval.gold_reward_model=` to a larger reward model than the trained one.
 """
 
-from configs._recipe import recipe
+from configs._recipe import recipe, whole_recipe
 
 
 def get_config(stage: str = ""):
@@ -51,4 +51,4 @@ def get_config(stage: str = ""):
         config.total_steps = 116_722 // 512
         config.generator.max_model_len = 1024
         config.checkpoint.every = 20
-    return config
+    return whole_recipe(config, get_config)

@@ -2,14 +2,13 @@
 
 A recipe config without a stage (`--config=configs/nobots.py`) runs the whole recipe
 (`jaxrlhf.stages.chain`); with one (`configs/nobots.py:sft`) that stage alone. Before any work,
-bad config values and missing models or data (`jaxrlhf.prerequisites`) exit 2 with one line.
+bad config values, missing models or data (`jaxrlhf.prerequisites`) and stage folders the
+command would neither skip nor overwrite exit 2 with one line each.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -19,8 +18,16 @@ from ml_collections import config_flags
 
 from jaxrlhf import prerequisites
 from jaxrlhf.config import checked, parse_flags
-from jaxrlhf.models.paths import resolve_model
-from jaxrlhf.stages.chain import StageRun, is_whole_recipe, recipe_runs
+from jaxrlhf.stages.chain import (
+    RERUN_KEY,
+    RecipeError,
+    StageRun,
+    checkpoint_steps,
+    is_whole_recipe,
+    recipe_runs,
+    refusals,
+)
+from jaxrlhf.stages.dispatch import run_stage
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 
@@ -49,8 +56,11 @@ def main(argv) -> None:
     runs = stage_runs(config)
     for run in runs:
         checked(run.config)
-    to_run = [run for run in runs if not run.finished]
-    refuse_earlier_checkpoints(to_run, whole=is_whole_recipe(config))
+    to_run = [run for run in runs if run.status in ("runs", "resumes", "reruns")]
+    if is_whole_recipe(config):
+        refuse(refusals(runs, sys.argv[1:]))
+    else:
+        refuse_earlier_checkpoints(to_run)
     check_prerequisites(to_run, prerequisites.recipe_of(config, argument))
     if config.distributed.enabled:
         from jaxrlhf.distributed import return_freed_host_memory
@@ -70,7 +80,7 @@ def main(argv) -> None:
     if config.learner_cpus:
         pin_process({int(c) for c in config.learner_cpus.split(",")})
     for run in to_run:
-        run_stage(run.config, log)
+        run_stage(run.config, log, afresh=run.status == "reruns")
     if is_whole_recipe(config):
         last = runs[-1].config.output_dir
         log(f"recipe done: the policy is in {last}/hf_export; evaluate it with `python -m "
@@ -87,16 +97,31 @@ def stage_runs(config) -> list[StageRun]:
         _config_error(f"--config.stage with a recipe: name the stage after the colon, "
                       f"--config={file}:{config.stage}")  # fmt: skip
     if not is_whole_recipe(config):
-        return [StageRun(config.stage, config, finished=False)]
+        if config.get("recipe") and config.recipe.get("rerun_from"):
+            _config_error(f"--config.{RERUN_KEY} reruns the stages of a whole recipe "
+                          f"(--config={file}); one stage alone always runs")  # fmt: skip
+        return [StageRun(config.stage, config, status="runs")]
     if not config.export:
         _config_error("config.export=false: the stages of a whole recipe start from each "
                       f"other's hf_export/; run one alone (--config={file}:STAGE)")  # fmt: skip
-    return recipe_runs(overrides, lambda stage: flag.parser.parse(f"{file}:{stage}"))
+    try:
+        return recipe_runs(overrides, lambda stage: flag.parser.parse(f"{file}:{stage}"),
+                           rerun_from=config.recipe.rerun_from)  # fmt: skip
+    except RecipeError as error:
+        _config_error(str(error))
 
 
 def _config_error(message: str) -> None:
     print(f"config error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def refuse(lines: list[str]) -> None:
+    """Exit 2 with one `config error:` line each, when there are any."""
+    for line in lines:
+        print(f"config error: {line}", file=sys.stderr)
+    if lines:
+        sys.exit(2)
 
 
 def check_prerequisites(runs: list[StageRun], recipe) -> None:
@@ -108,67 +133,39 @@ def check_prerequisites(runs: list[StageRun], recipe) -> None:
         prerequisites.refuse(found)
 
 
-def refuse_earlier_checkpoints(runs: list[StageRun], whole: bool) -> None:
-    """Exit 2 when a stage would start afresh over the checkpoints of an earlier run."""
+def refuse_earlier_checkpoints(runs: list[StageRun]) -> None:
+    """Exit 2 when one stage would start afresh over the checkpoints of an earlier run (a
+    whole recipe's stages: `jaxrlhf.stages.chain.refusals`)."""
     for run in runs:
         config = run.config
         earlier = checkpoint_steps(Path(config.output_dir) / "checkpoints")
-        if not earlier or config.resume:
-            continue
-        if whole:
-            again = shlex.join(["python", "-m", "jaxrlhf.main", *sys.argv[1:]])
-            message = (
-                f"{config.output_dir} (the recipe's {run.stage} stage) holds the checkpoints of "
-                f"a run that did not finish (steps {earlier}): continue it with `{again} "
-                "--config.resume=true`, or delete that folder to run the stage afresh"
-            )
-        else:
-            message = (
+        if earlier and not config.resume:
+            _config_error(
                 f"config.output_dir={config.output_dir} already holds the checkpoints of an "
                 f"earlier run (steps {earlier}): add --config.resume=true to continue it, or "
                 "pick a new --config.output_dir (or delete that folder) to start afresh"
             )
-        _config_error(message)
+
+
+STATUS = {"finished": "finished: skipped", "resumes": "resumes",
+          "reruns": "reruns afresh (its folder emptied first)", "refused": "refused"}  # fmt: skip
 
 
 def announce(argument: str, runs: list[StageRun]) -> list[str]:
-    """The first lines of a whole recipe: its stages, their folders, which run."""
+    """The first lines of a whole recipe: its stages, their folders, which run, and the
+    command line's keys each stage got."""
     lines = [
-        f"recipe {argument}: {' -> '.join(run.stage for run in runs)} (a stage whose folder "
-        "holds a finished run, summary.json and a whole hf_export/, is skipped)"
+        f"recipe {argument}: {' -> '.join(run.stage for run in runs)} (a stage is skipped when "
+        "its folder holds a finished run made by the same settings and inputs)"
     ]
     for run in runs:
         folder = Path(run.config.output_dir).resolve()
-        if run.finished:
-            status = "finished: skipped"
-        elif run.config.resume and checkpoint_steps(folder / "checkpoints"):
-            status = "resumes"
-        else:
-            status = f"runs, from {run.config.model.path}"
+        status = STATUS.get(run.status, f"runs, from {run.config.model.path}")
         lines.append(f"  {run.stage:<6} {folder}: {status}")
+        if run.overrides and not run.finished:
+            given = ", ".join(f"{key}={value}" for key, value in run.overrides.items())
+            lines.append(f"         overrides: {given}")
     return lines
-
-
-def run_stage(config, log) -> dict:
-    """Runs one stage; returns its summary."""
-    log(f"stage {config.stage}; outputs in {Path(config.output_dir).resolve()}")
-    model_path = resolve_model(config.model.path)
-    if config.stage == "sft":
-        from jaxrlhf.stages import sft as stage
-    elif config.stage == "reward":
-        from jaxrlhf.stages import reward as stage
-    else:
-        from jaxrlhf.stages import rlhf as stage
-    summary = stage.run(config, model_path, log)
-    log("summary: " + json.dumps(summary))
-    return summary
-
-
-def checkpoint_steps(directory: Path) -> list[int]:
-    """The steps of the complete Orbax checkpoints in `directory` (folders named by their step)."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(child.name) for child in directory.iterdir() if child.name.isdigit())
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
-"""One command runs a recipe (issue 47): the stages its RLHF stage needs, each skipped when its
-folder holds a finished run. The chain's rules and "finished" here; then the No Robots recipe
-end to end on tiny stand-ins: `python -m jaxrlhf.main --config=configs/nobots.py` runs SFT ->
-reward model -> RLHF, and the same command again skips all three."""
+"""One command runs a recipe: the stages its RLHF stage needs, each skipped only when its
+folder holds a finished run made by the same settings and inputs. The stages a recipe has and
+what a whole export is here; then the No Robots recipe end to end on tiny stand-ins: `python -m
+jaxrlhf.main --config=configs/nobots.py` runs SFT -> reward model -> RLHF, the same command
+again skips all three, and a changed key or a deleted stage is refused, then rerun (the rules
+themselves: tests/stages/test_reruns.py)."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from jaxrlhf.stages import provenance
 from jaxrlhf.stages.chain import export_is_complete, is_finished, recipe_runs
 from tests.conftest import REPO, tiny_model
 
 FIXTURES = REPO / "tests" / "fixtures" / "data"
+STAGES = ("sft", "reward", "rlhf")
 
 
 def stage_config(name: str):
@@ -49,29 +52,6 @@ def test_a_recipe_runs_the_stages_its_rlhf_stage_reads(
     if name != "gsm8k":
         assert runs[1].config.model.path == runs[2].config.model.path == f"runs/{name}/sft"
         assert runs[2].config.task.reward_model == f"runs/{name}/reward"
-
-
-def test_overrides_apply_to_every_stage_but_the_linking_keys(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
-    overrides = {
-        "output_dir": "exp/",  # the recipe's root
-        "model.path": "/models/llama",  # the first stage's start
-        "total_steps": 3,  # every stage
-        "task.preference_source": "/data/pairs.jsonl",
-        "stage": "sft",  # the recipe's business
-    }
-    runs = recipe_runs(overrides, stage_config("nobots"))
-    sft, reward, rlhf = (run.config for run in runs)
-    assert [c.output_dir for c in (sft, reward, rlhf)] == ["exp/sft", "exp/reward", "exp/rlhf"]
-    assert (sft.model.path, reward.model.path, rlhf.model.path) == (
-        "/models/llama", "exp/sft", "exp/sft")  # fmt: skip
-    assert rlhf.task.reward_model == "exp/reward" and rlhf.eval.sft_model == "exp/sft"
-    assert [c.stage for c in (sft, reward, rlhf)] == ["sft", "reward", "rlhf"]
-    assert {c.total_steps for c in (sft, reward, rlhf)} == {3}
-    assert {c.task.preference_source for c in (sft, reward, rlhf)} == {"/data/pairs.jsonl"}
-    # A reward model of one's own: no reward stage.
-    runs = recipe_runs({"task.reward_model": "/models/rm"}, stage_config("nobots"))
-    assert [run.stage for run in runs] == ["sft", "rlhf"]
 
 
 def make_finished(folder: Path, model: Path) -> Path:
@@ -113,6 +93,12 @@ def test_a_sharded_export_is_whole_only_with_every_shard(tmp_path):
     assert export_is_complete(folder)
 
 
+# Sizes that fit the stand-ins, for every stage (a plain key reaches the RLHF stage alone).
+SIZES = ["total_steps=2", "train.batch_size=4", "train.micro_batch_size=0",
+         "train.max_length=192", "model.dtype=float32", "model.remat=false",
+         "model.logprob_chunk=0"]  # fmt: skip
+
+
 def recipe_command(tiny, generator_address, *extra):
     """The No Robots recipe on stand-ins: a tiny Llama for Llama 3.1 8B, the fixture in No
     Robots' hub schema for the hub set, toy pairs in its preference layout, the suite's shared
@@ -123,10 +109,8 @@ def recipe_command(tiny, generator_address, *extra):
         f"--config.task.source={FIXTURES / 'no_robots'}",
         f"--config.task.preference_source={FIXTURES / 'toy_pref'}",
         "--config.task.validation_fraction=0.5",  # a validation split out of 6 rows
-        "--config.total_steps=2", "--config.train.batch_size=4",
-        "--config.train.micro_batch_size=0", "--config.train.max_length=192",
-        "--config.model.dtype=float32", "--config.model.remat=false",
-        "--config.model.logprob_chunk=0", "--config.rollout.weight_sync_dtype=",
+        *(f"--config.{stage}{size}" for stage in ("", "sft.", "reward.") for size in SIZES),
+        "--config.rollout.weight_sync_dtype=",
         "--config.rollout.prompts_per_batch=2", "--config.rollout.max_prompt_tokens=176",
         "--config.rollout.max_response_tokens=8", "--config.generator.max_model_len=256",
         f"--config.generator.addresses={generator_address}",
@@ -143,9 +127,22 @@ def run_recipe(command, cwd, timeout=600):
     return result, time.perf_counter() - started
 
 
-def test_one_command_runs_the_nobots_recipe_and_skips_finished_stages(
+def stage_lines(stdout: str) -> dict[str, str]:
+    """The plan's line of each stage: its status after the folder's name."""
+    lines = {}
+    for line in stdout.splitlines():
+        for stage in ("sft", "reward", "rlhf"):
+            if line.startswith(f"[jaxrlhf]   {stage} "):
+                lines[stage] = line.split(": ", 1)[1]
+    return lines
+
+
+def test_one_command_runs_the_nobots_recipe_and_never_reuses_a_stale_stage(
     tiny_llama, generator_address, tmp_path
 ):
+    """As a new user would: run it, run it again (skipped), change an SFT key (refused),
+    delete sft/ (refused: the reward model and the policy were built on it), then rerun from
+    the stage the refusal names: every stage is rebuilt on the new SFT model."""
     (tmp_path / "configs").symlink_to(REPO / "configs")
     runs = tmp_path / "runs" / "nobots"
     command = recipe_command(tiny_llama, generator_address)
@@ -153,18 +150,18 @@ def test_one_command_runs_the_nobots_recipe_and_skips_finished_stages(
     assert result.returncode == 0, result.stderr[-4000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("[jaxrlhf] recipe configs/nobots.py: sft -> reward -> rlhf")
-    assert "summary.json and a whole hf_export/" in lines[0]
-    for line, stage in zip(lines[1:4], ("sft", "reward", "rlhf"), strict=True):
-        assert line.startswith(f"[jaxrlhf]   {stage}") and str(runs / stage) in line
-        assert line.endswith(f"runs, from {tiny_llama if stage == 'sft' else 'runs/nobots/sft'}")
+    assert "made by the same settings and inputs" in lines[0]
+    assert stage_lines(result.stdout) == {
+        "sft": f"runs, from {tiny_llama}", "reward": "runs, from runs/nobots/sft",
+        "rlhf": "runs, from runs/nobots/sft"}  # fmt: skip
+    assert "[jaxrlhf]          overrides: task.source=" in result.stdout  # each stage's keys
     started = [line for line in lines if line.startswith("[jaxrlhf] stage ")]
     assert [line.split(";")[0] for line in started] == [
         "[jaxrlhf] stage sft", "[jaxrlhf] stage reward", "[jaxrlhf] stage rlhf"]  # fmt: skip
     for stage in ("sft", "reward", "rlhf"):
         assert is_finished(runs / stage), stage
-    summaries = {s: json.loads((runs / s / "summary.json").read_text()) for s in ("sft", "reward")}
-    assert summaries["sft"]["steps"] == summaries["reward"]["steps"] == 2
-    assert json.loads((runs / "rlhf" / "summary.json").read_text())["steps"] == 2
+    summaries = {s: json.loads((runs / s / "summary.json").read_text()) for s in STAGES}
+    assert {summary["steps"] for summary in summaries.values()} == {2}
     reward_config = json.loads((runs / "reward" / "hf_export" / "config.json").read_text())
     assert reward_config["architectures"] == ["LlamaForSequenceClassification"]
     assert lines[-1].startswith("[jaxrlhf] recipe done: the policy is in runs/nobots/rlhf")
@@ -172,27 +169,40 @@ def test_one_command_runs_the_nobots_recipe_and_skips_finished_stages(
     stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*")}
     again, again_seconds = run_recipe(command, tmp_path, timeout=120)
     assert again.returncode == 0, again.stderr[-4000:]
-    for line, stage in zip(again.stdout.splitlines()[1:4], ("sft", "reward", "rlhf"), strict=True):
-        assert line.startswith(f"[jaxrlhf]   {stage}") and line.endswith("finished: skipped")
+    assert set(stage_lines(again.stdout).values()) == {"finished: skipped"}
     assert "[jaxrlhf] stage " not in again.stdout  # no stage started
     assert {p: p.stat().st_mtime_ns for p in runs.rglob("*")} == stamps  # nothing touched
 
-    # A stage killed before its summary is not finished; its checkpoints are not overwritten.
-    (runs / "reward" / "summary.json").unlink()
-    killed, _ = run_recipe(command, tmp_path, timeout=120)
-    assert killed.returncode == 2 and "Traceback" not in killed.stderr
-    [line] = killed.stderr.splitlines()
-    assert line.startswith(
-        "config error: runs/nobots/reward (the recipe's reward stage) holds the checkpoints of a "
-        "run that did not finish (steps ["
-    )
-    again = shlex.join(["python", "-m", "jaxrlhf.main", *command[3:], "--config.resume=true"])
-    assert line.endswith(f"continue it with `{again}`, or delete that folder to run the stage "
-                         "afresh")  # fmt: skip
-    resumed, _ = run_recipe([*command, "--config.resume=true"], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    statuses = [line.split(": ", 1)[1] for line in resumed.stdout.splitlines()[1:4]]
-    assert statuses == ["finished: skipped", "resumes", "finished: skipped"]
-    assert is_finished(runs / "reward")
+    # A changed SFT key: refused before any work, naming it; nothing touched.
+    changed, _ = run_recipe([*command, "--config.sft.train.learning_rate=3e-5"], tmp_path,
+                            timeout=120)  # fmt: skip
+    assert changed.returncode == 2 and "Traceback" not in changed.stderr
+    [line] = changed.stderr.splitlines()
+    assert line.startswith("config error: runs/nobots/sft (the recipe's sft stage) was made "
+                           "with other settings: train.learning_rate 2e-05 → 3e-05: rerun the "
+                           "sft stage and those after it with `python -m jaxrlhf.main")  # fmt: skip
+    assert {p: p.stat().st_mtime_ns for p in runs.rglob("*")} == stamps
+
+    # sft/ deleted: the reward model and the policy were trained from it; refused.
+    shutil.rmtree(runs / "sft")
+    deleted, _ = run_recipe(command, tmp_path, timeout=120)
+    assert deleted.returncode == 2 and "Traceback" not in deleted.stderr
+    refused = deleted.stderr.splitlines()
+    assert [line.split(" (")[0] for line in refused] == [
+        "config error: runs/nobots/reward", "config error: runs/nobots/rlhf"]  # fmt: skip
+    assert "which this command trains again" in refused[0]
+    assert "--config.recipe.rerun_from=reward`" in refused[0]
+    rerun, _ = run_recipe([*command, "--config.recipe.rerun_from=reward"], tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert stage_lines(rerun.stdout) == {
+        "sft": f"runs, from {tiny_llama}", "reward": "reruns afresh (its folder emptied first)",
+        "rlhf": "reruns afresh (its folder emptied first)"}  # fmt: skip
+    records = {s: provenance.read_record(runs / s) for s in STAGES}
+    assert records["reward"].inputs == {"model.path": records["sft"].output_digest}
+    assert records["rlhf"].inputs == {
+        "model.path": records["sft"].output_digest,
+        "task.reward_model": records["reward"].output_digest}  # fmt: skip
+    skipped, _ = run_recipe(command, tmp_path, timeout=120)
+    assert set(stage_lines(skipped.stdout).values()) == {"finished: skipped"}
     print(f"first run {first_seconds:.0f} s, second {again_seconds:.1f} s")
     assert again_seconds < first_seconds / 3

@@ -51,6 +51,10 @@ class ServerPopen(subprocess.Popen):
         return code
 
 
+class StartCancelled(RuntimeError):
+    """A generator start stopped half-way because its caller no longer needs it."""
+
+
 @dataclasses.dataclass
 class ServerProcess:
     process: ServerPopen
@@ -94,8 +98,10 @@ def start_server(
     env: dict[str, str] | None = None,
     cpus: Sequence[int] | None = None,
     timeout: float = 600.0,
+    cancel: threading.Event | None = None,
 ) -> ServerProcess:
-    """Starts the server on a free loopback port and waits until its engine serves."""
+    """Starts the server on a free loopback port and waits until its engine serves. `cancel`
+    set meanwhile (its caller failed): the server is stopped and StartCancelled raised."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [
@@ -134,6 +140,10 @@ def start_server(
             raise RuntimeError(
                 f"generator server exited ({process.returncode}):\n{server.log_tail()}"
             )
-        time.sleep(0.5)
+        if cancel is not None and cancel.wait(0.5):
+            server.terminate()
+            raise StartCancelled("the generator's start was cancelled")
+        if cancel is None:
+            time.sleep(0.5)
     server.terminate()
     raise TimeoutError(f"generator server not ready in {timeout}s:\n{server.log_tail()}")

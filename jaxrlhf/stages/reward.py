@@ -10,7 +10,6 @@ without a verifiable one, and the gold reward of `jaxrlhf.evaluate`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
@@ -22,6 +21,7 @@ from jaxrlhf.data import recipes
 from jaxrlhf.distributed import is_driver, shard_global, to_host
 from jaxrlhf.models import load_pretrained, save_pretrained
 from jaxrlhf.sharding import activate, make_mesh
+from jaxrlhf.stages.provenance import write_summary
 from jaxrlhf.stages.supervised import prompt_response_arrays, train_supervised
 from jaxrlhf.train_state import forward_in_micro_batches
 
@@ -117,5 +117,5 @@ def run(config, model_path: Path, log) -> dict:
         summary["export_dir"] = str(folder)
         log(f"exported a Hugging Face folder (score head): {folder}")
     if is_driver():
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_summary(config, summary)
     return summary

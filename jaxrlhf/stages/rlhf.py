@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,42 +16,60 @@ from jaxrlhf.rl.pool import GeneratorPool, Timeouts
 from jaxrlhf.rl.service import engine_args, start_server
 from jaxrlhf.rl.tasks import build_task
 from jaxrlhf.rl.trainer import build_learner, run_rlhf
+from jaxrlhf.stages.provenance import write_summary
 from jaxrlhf.stages.reward import RewardScorer
 
 
+class StartCancel:
+    """Set by the learner's thread when building the learner failed: the generator start in
+    the background stops at once (a server still starting is terminated, a pool waiting for
+    its replicas is closed) instead of running to its end first (up to 600 s)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._lock = threading.Lock()
+        self._closers: list = []
+
+    def on_cancel(self, close) -> None:
+        with self._lock:
+            if not self.event.is_set():
+                self._closers.append(close)
+                return
+        close()
+
+    def set(self) -> None:
+        with self._lock:
+            self.event.set()
+            closers, self._closers = self._closers, []
+        for close in closers:
+            close()
+
+
 @contextlib.contextmanager
-def generator_pool(config, model_path: Path, log):
+def generator_pool(config, model_path: Path, log, cancel: StartCancel | None = None):
     """A pool over the configured addresses, or over one server started here for the run (and
-    restarted here when it dies: `generator.max_restarts`)."""
+    restarted here when it dies: `generator.max_restarts`). Whatever fails after a server
+    started, the server is stopped."""
     gen = config.generator
     token = os.environ.get(gen.auth_token_env) if gen.auth_token_env else None
     servers: list = []
-    restart = None
-    if gen.addresses:
-        targets = [a.strip() for a in gen.addresses.split(",") if a.strip()]
-    else:
-        args = engine_args(gen)
-        cpus = [int(c) for c in gen.cpus.split(",")] if gen.cpus else None
-
-        def start(target: str = "") -> str:
-            if servers and servers[-1].process.poll() is None:
-                servers[-1].process.kill()  # hung (it failed): its reaper takes its engine along
-                servers[-1].process.wait()
-            name = "generator.log" if not servers else f"generator-restart{len(servers)}.log"
-            log_path = Path(config.output_dir) / name
-            log(f"starting a generator service for {model_path} (log: {log_path})")
-            servers.append(start_server(model_path, log_path, args, cpus=cpus))
-            return servers[-1].address
-
-        targets, restart = [start()], start
-    pool = GeneratorPool(
-        targets, auth_token=token, transport=gen.weight_transport,
-        chunk_bytes=gen.weight_chunk_bytes,
-        timeouts=Timeouts(gen.generate_timeout_s, gen.update_timeout_s, gen.status_timeout_s),
-        probe_interval=gen.probe_interval_s, restart=restart, max_restarts=gen.max_restarts,
-        no_replica_timeout=gen.no_replica_timeout_s, log=log, capacity=gen.capacity,
-    )  # fmt: skip
+    pool = None
     try:
+        restart = None
+        if gen.addresses:
+            targets = [a.strip() for a in gen.addresses.split(",") if a.strip()]
+        else:
+            restart = _starter(config, model_path, log, servers, cancel)
+            targets = [restart()]
+        pool = GeneratorPool(
+            targets, auth_token=token, transport=gen.weight_transport,
+            chunk_bytes=gen.weight_chunk_bytes,
+            timeouts=Timeouts(gen.generate_timeout_s, gen.update_timeout_s, gen.status_timeout_s),
+            probe_interval=gen.probe_interval_s, restart=restart, max_restarts=gen.max_restarts,
+            no_replica_timeout=gen.no_replica_timeout_s, log=log, capacity=gen.capacity,
+        )  # fmt: skip
+        if cancel is not None:
+            cancel.on_cancel(pool.close)  # its wait below then fails at once
         statuses = pool.wait_until_serving()
         check_swap_mode(gen, targets, statuses)
         mode = gen.swap_mode + (f", KV {gen.in_flight_kv}" if gen.swap_mode == "in-flight" else "")
@@ -59,9 +77,31 @@ def generator_pool(config, model_path: Path, log):
             f"swaps: {mode})")  # fmt: skip
         yield pool
     finally:
-        pool.close()
+        if pool is not None:
+            pool.close()
         for server in servers:
             server.terminate()
+
+
+def _starter(config, model_path: Path, log, servers: list, cancel: StartCancel | None):
+    """start(target="") -> the address of a generator service started for the run (the one
+    before it killed first: a restart), appended to `servers`."""
+    gen = config.generator
+    args = engine_args(gen)
+    cpus = [int(c) for c in gen.cpus.split(",")] if gen.cpus else None
+
+    def start(target: str = "") -> str:
+        if servers and servers[-1].process.poll() is None:
+            servers[-1].process.kill()  # hung (it failed): its reaper takes its engine along
+            servers[-1].process.wait()
+        name = "generator.log" if not servers else f"generator-restart{len(servers)}.log"
+        log_path = Path(config.output_dir) / name
+        log(f"starting a generator service for {model_path} (log: {log_path})")
+        servers.append(start_server(model_path, log_path, args, cpus=cpus,
+                                    cancel=cancel.event if cancel else None))  # fmt: skip
+        return servers[-1].address
+
+    return start
 
 
 def check_swap_mode(gen, targets, statuses) -> None:
@@ -89,12 +129,20 @@ def check_swap_mode(gen, targets, statuses) -> None:
 def learner_while_generators_start(config, model_path: Path, log, reward):
     """(pool, learner): the learner is built (the model read onto the mesh, the reference and
     the optimizer state made) while `generator_pool` starts its generator, whose start is
-    mostly one process importing on one core (`make run`: 27 s, with the other core free)."""
-    # Leaving the executor waits for the start, then the stack stops what started, even when
-    # building the learner failed.
+    mostly one process importing on one core (`make run`: 27 s, with the other core free).
+    When building the learner fails, the start is cancelled and the error raised at once."""
+    cancel = StartCancel()
+    # Leaving the executor waits for the start (at once when cancelled), then the stack stops
+    # what started.
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(1) as background:
-        starting = background.submit(stack.enter_context, generator_pool(config, model_path, log))
-        learner = build_learner(config, model_path, reward)
+        starting = background.submit(
+            stack.enter_context, generator_pool(config, model_path, log, cancel)
+        )
+        try:
+            learner = build_learner(config, model_path, reward)
+        except BaseException:
+            cancel.set()
+            raise
         yield starting.result(), learner
 
 
@@ -122,7 +170,7 @@ def run(config, model_path: Path, log) -> dict:
     summary = {**result.summary, "total_seconds": time.perf_counter() - started}
     out = Path(config.output_dir)
     if is_driver():
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_summary(config, summary)
         for line in summary_lines(summary, out):
             log(line)
     return summary

@@ -8,7 +8,6 @@ checkpoints, metrics.jsonl, summary.json and (with `config.export`) a Hugging Fa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -18,6 +17,7 @@ from jaxrlhf.data import recipes
 from jaxrlhf.distributed import is_driver
 from jaxrlhf.models import load_pretrained, next_token_logprobs, save_pretrained
 from jaxrlhf.sharding import make_mesh
+from jaxrlhf.stages.provenance import write_summary
 from jaxrlhf.stages.supervised import prompt_response_arrays, train_supervised
 
 
@@ -74,5 +74,5 @@ def run(config, model_path: Path, log) -> dict:
         summary["export_dir"] = str(folder)
         log(f"exported a Hugging Face folder: {folder}")
     if is_driver():
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_summary(config, summary)
     return summary
