@@ -3,9 +3,13 @@
 rejoining replica, with retries and the meaning of each failure. The pool
 (`jaxrlhf.rl.pool.GeneratorPool`) owns the replicas and their lifecycle; this is its publishing.
 
-- A replica that takes the update is live at its version; a replica known to serve that very
-  version already gets nothing (except a rollback to live replicas, whose number may name
-  another run's weights).
+- A replica that takes the update is live at its version; a live replica known to serve that
+  very version already (the pool saw it take it) gets nothing, except in a rollback (there the
+  number may name another run's weights).
+- A rejoining replica always gets the update, with rollback allowed, whatever version it
+  reports: the number is its own word, and may name another run's weights (one that missed the
+  rollback of a resume, `jaxrlhf.rl.trainer.begin`, still serves the killed run's, at the
+  learner's number or a newer one). It serves nothing before it took the update.
 - UNAVAILABLE may be a blip: sent once more (`retries`, with back-off), unless the replica's
   status shows it took the attempt whose answer was lost (its GeneratorStatus.update_id is this
   update's); a retry refused by a replica that serves this very update counts as delivered.
@@ -78,19 +82,23 @@ class WeightDelivery:
         `tensor_stream()` gives the tensors (called once per attempt of a streamed update).
         `specs` ([(name, shape, dtype)] of the stream, in order) allows the same-host shared
         file. `allow_rollback`: replicas accept a version not newer than theirs (resuming); a
-        rejoining replica always does (it takes the current weights whatever it served).
+        rejoining replica always does, and always gets the update, whatever version it reports
+        (it takes the current weights whatever it served: module docstring).
         `transport`: this publish's, instead of the pool's (`sender_transport`).
         Raises GeneratorError when no replica took it and none can come back (module
         docstring), or one refused it as malformed."""
         started = time.perf_counter()
         targets = self.pool._in(REJOINING) if rejoining_only else self.pool._in(LIVE, REJOINING)
-        # A replica known to serve this very version needs nothing, except from a rollback
-        # to live replicas (there the number may name another run's weights).
-        already = [r for r in targets if r.version == policy_version
-                   and (rejoining_only or not allow_rollback)]  # fmt: skip
-        for replica in already:  # came back still serving this version: nothing to send
-            self.pool._join(replica, policy_version)
-        update = WeightUpdate(policy_version, num_tensors, allow_rollback or rejoining_only)
+        # Only a live replica's version is the pool's own knowledge (it saw the replica take
+        # it): one known to serve this very version needs nothing, except in a rollback (there
+        # the number may name another run's weights). A rejoining replica's version is what it
+        # reports: never trusted, it always takes the update (module docstring).
+        already = [r for r in targets if r.state == LIVE and r.version == policy_version
+                   and not allow_rollback]  # fmt: skip
+        rejoining = any(r.state == REJOINING for r in targets)
+        # A rejoining replica takes the current weights whatever it served, a newer version
+        # too (a killed run's); a live one serves this run's versions, none newer than this.
+        update = WeightUpdate(policy_version, num_tensors, allow_rollback or rejoining)
         pending = [r for r in targets if r not in already]
         delivery = _Delivery(swapped=[r.target for r in already])
         if pending:

@@ -9,6 +9,7 @@ counted as a step (left out of the progress bar's rate and ETA).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,22 @@ def greedy_sampling(max_tokens: int) -> dict[str, Any]:
 
 def greedy_responses(
     pool: GeneratorPool, prompts: list[PromptItem], max_tokens: int
-) -> list[tuple[int, ...]]:
-    """The greedy response to each prompt, in order, from the weights the generator serves now."""
+) -> tuple[list[tuple[int, ...]], set[int]]:
+    """The greedy response to each prompt, in order, from the weights the generator serves now,
+    and the versions of the weights that generated them (the replicas' own tags: between two
+    publishes, after a resume's rollback or a rejoin, not what the schedule last released)."""
     samples = pool.generate([p.token_ids for p in prompts], greedy_sampling(max_tokens))
-    return [s.token_ids for s in samples]  # prompt-major, one per prompt
+    versions = {v for s in samples for v in (s.policy_version, *s.token_versions)}
+    return [s.token_ids for s in samples], versions  # prompt-major, one per prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """Each split's per-prompt scores, and the policy versions of the weights that generated
+    the responses (none for responses read from a cache)."""
+
+    scores: dict[str, np.ndarray]
+    versions: frozenset[int] = frozenset()
 
 
 def evaluate_greedy(
@@ -49,13 +62,13 @@ def evaluate_greedy(
     wait=None,
 ) -> np.ndarray:
     """Per-prompt scores (correctness for verifiable tasks, else reward-model reward) of greedy
-    responses to `prompts` with the weights the generator serves now: `evaluate_splits` of
-    one split."""
+    responses to `prompts` with the weights the generator serves now: `evaluate` of one
+    split, without the versions."""
     splits = {"prompts": prompts}
-    return evaluate_splits(pool, task, splits, max_tokens, learner, cache, wait)["prompts"]
+    return evaluate(pool, task, splits, max_tokens, learner, cache, wait).scores["prompts"]
 
 
-def evaluate_splits(
+def evaluate(
     pool: GeneratorPool | None,
     task: Task,
     splits: dict[str, list[PromptItem]],
@@ -63,35 +76,39 @@ def evaluate_splits(
     learner: Learner,
     cache: EvaluationCache | None = None,
     wait=None,
-) -> dict[str, np.ndarray]:
+) -> Evaluation:
     """Each split's per-prompt scores of greedy responses with the weights the generator serves
-    now. The driver reads a split's responses from `cache` (which must describe those weights)
-    or generates them, every split it must generate in one call (one batch keeps the engine
-    fuller than one call a split: `make run`'s validation split alone half-filled it); every
-    process scores (a reward model runs on the whole mesh). `wait(generate)`: how every process
-    waits for the driver's `generate()` (None elsewhere) and gets its result; by default a
-    plain call (the loop's, `in_background`, rejoins replicas meanwhile)."""
+    now, and the versions of the weights that generated them. The driver reads a split's
+    responses from `cache` (which must describe those weights) or generates them, every split
+    it must generate in one call (one batch keeps the engine fuller than one call a split:
+    `make run`'s validation split alone half-filled it); every process scores (a reward model
+    runs on the whole mesh). `wait(generate)`: how every process waits for the driver's
+    `generate()` (None elsewhere) and gets its result; by default a plain call (the loop's,
+    `in_background`, rejoins replicas meanwhile)."""
 
-    def generate() -> dict[str, list[tuple[int, ...]]]:
+    def generate() -> tuple[dict[str, list[tuple[int, ...]]], frozenset[int]]:
         sampling = greedy_sampling(max_tokens)
-        responses, missing = {}, []
+        responses, missing, versions = {}, [], set()
         for name, prompts in splits.items():
             ids = [p.token_ids for p in prompts]
             responses[name] = cache.load(ids, sampling) if cache is not None else None
             if responses[name] is None:
                 missing.append(name)
         prompts = [p for name in missing for p in splits[name]]
-        generated = greedy_responses(pool, prompts, max_tokens) if prompts else []
+        generated = []
+        if prompts:
+            generated, versions = greedy_responses(pool, prompts, max_tokens)
         start = 0
         for name in missing:
             ids = [p.token_ids for p in splits[name]]
             responses[name], start = generated[start : start + len(ids)], start + len(ids)
             if cache is not None:
                 cache.store(ids, sampling, responses[name], note=f"{task.name}: {len(ids)} prompts")
-        return responses
+        return responses, frozenset(versions)
 
-    responses = (wait or call_on_driver)(generate if is_driver() else None)
-    return {name: learner.score(task, splits[name], responses[name]) for name in splits}
+    responses, versions = (wait or call_on_driver)(generate if is_driver() else None)
+    scores = {name: learner.score(task, splits[name], responses[name]) for name in splits}
+    return Evaluation(scores, versions)
 
 
 def call_on_driver(fn):
@@ -132,11 +149,15 @@ class Evaluator:
 
     def scores(self, splits, cache: EvaluationCache | None = None) -> dict[str, np.ndarray]:
         """The per-prompt scores of each of `splits` (names), generated in one call."""
+        return self.evaluate(splits, cache).scores
+
+    def evaluate(self, splits, cache: EvaluationCache | None = None) -> Evaluation:
+        """`scores`, with the versions of the weights that generated the responses."""
         with self.writer.paused() if self.writer is not None else contextlib.nullcontext():
-            return evaluate_splits(self.publisher.pool, self.task,
-                                   {split: self.splits[split] for split in splits},
-                                   self.cfg.rollout.max_response_tokens, self.publisher.learner,
-                                   cache, self.publisher.in_background)  # fmt: skip
+            return evaluate(self.publisher.pool, self.task,
+                            {split: self.splits[split] for split in splits},
+                            self.cfg.rollout.max_response_tokens, self.publisher.learner,
+                            cache, self.publisher.in_background)  # fmt: skip
 
     def before_training(self, model_path: Path | None, log) -> dict[str, float]:
         """Every split's mean score; `model_path`: the generators serve its own weights, whose
@@ -156,9 +177,7 @@ class Evaluator:
 
     def during(self, step: int) -> dict[str, float]:
         """The evaluations due after `step` (`eval.every`, `eval.test_every`; the end of the
-        run is evaluated by `after_training`), and `evaluated_updates`: the updates in the
-        weights they measured (the generators serve the last publish's, `step` rounded down
-        to a multiple of `sync_every` in a run without a resume)."""
+        run is evaluated by `after_training`), and where they belong (`placed`)."""
         last = step == self.cfg.total_steps
         due = [
             split
@@ -168,10 +187,25 @@ class Evaluator:
         ]  # fmt: skip
         if not due:
             return {}
-        out = {self.key(split): float(np.mean(s)) for split, s in self.scores(due).items()}
-        # The weights evaluated are those served (their publish finished first): between two
-        # publishes (sync_every > 1) they hold fewer updates than `step`.
-        out["evaluated_updates"] = self.publisher.served - self.publisher.base_version
+        evaluation = self.evaluate(due)
+        out = {self.key(split): float(np.mean(s)) for split, s in evaluation.scores.items()}
+        return out | self.placed(evaluation.versions)
+
+    def placed(self, versions: frozenset[int]) -> dict[str, int]:
+        """`evaluated_updates`: the updates in the weights an evaluation measured, read from the
+        versions the replicas tagged its responses with. The fleet serves the last publish's
+        weights between two publishes (sync_every > 1: fewer updates than the step), the
+        checkpoint's after a resume until the next publish (`trainer.begin`'s rollback: more
+        than the schedule's last publish), and a replica that rejoined meanwhile the learner's:
+        what the schedule released (`publisher.served`) would misplace the point, or make it
+        a duplicate. Responses of several versions (a replica rejoined between two publishes)
+        are placed at the oldest, `evaluated_updates_newest` naming the newest."""
+        base = self.publisher.base_version
+        if not versions:  # nothing generated: what the schedule released
+            return {"evaluated_updates": self.publisher.served - base}
+        out = {"evaluated_updates": min(versions) - base}
+        if len(versions) > 1:
+            out["evaluated_updates_newest"] = max(versions) - base
         return out
 
     def after_training(self) -> dict[str, float]:

@@ -144,6 +144,9 @@ def begin(cfg, learner: Learner, pool, model_path: Path, checkpointer, log) -> R
         # (sync_every > 1) those are newer than the ones the schedule released (`served`),
         # which stays the producer's gate: the batches that ran on the released weights are in
         # `pending` or, generated again, run on the checkpoint's (within the staleness bound).
+        # A replica that misses this rollback (down meanwhile) keeps the killed run's weights;
+        # when it answers again its version is not trusted: it rejoins with the learner's
+        # weights, rollback allowed, before it serves (`jaxrlhf.rl.delivery`).
         publisher = Publisher(learner, pool, dtype, meta["base_version"], version, served)
         publisher.send(rollback=True)
         log(f"resumed from step {meta['step']} (policy version {version})")

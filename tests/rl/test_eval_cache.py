@@ -149,22 +149,22 @@ def test_evaluations_stay_out_of_the_progress_rate_and_eta(tmp_path):
 
 
 def test_splits_are_generated_in_one_call_and_cached_each(tiny_llama, tmp_path):
-    """`evaluate_splits`: the splits it must generate go in one greedy call, with the responses
+    """`evaluate`: the splits it must generate go in one greedy call, with the responses
     each split gets alone; each split is cached under its own prompts, and a split found in the
     cache is not generated again."""
-    from jaxrlhf.rl.evaluator import evaluate_splits
+    from jaxrlhf.rl.evaluator import evaluate
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
     task = target_task(tokenizer, prompts=24)
     splits = {"eval": task.eval_prompts, "train": task.train_prompts[:8]}
     generator = CountingGenerator(tiny_llama, tokenizer.eos_token_id, tokenizer.pad_token_id)
     cache = EvaluationCache("a" * 64, {"generators": []}, root=tmp_path)
-    together = evaluate_splits(generator, task, splits, MAX_TOKENS, Scorer(), cache)
+    together = evaluate(generator, task, splits, MAX_TOKENS, Scorer(), cache).scores
     assert generator.greedy_calls == 1
     for name, prompts in splits.items():
         alone = evaluate_greedy(generator, task, prompts, MAX_TOKENS, Scorer())
         assert np.array_equal(together[name], alone), name
-    cached = evaluate_splits(NoGenerator(), task, splits, MAX_TOKENS, Scorer(), cache)
+    cached = evaluate(NoGenerator(), task, splits, MAX_TOKENS, Scorer(), cache).scores
     assert all(np.array_equal(cached[name], together[name]) for name in splits)
     half = EvaluationCache("b" * 64, {"generators": []}, root=tmp_path)
     sampling, asked = greedy_sampling(MAX_TOKENS), []
@@ -177,6 +177,6 @@ def test_splits_are_generated_in_one_call_and_cached_each(tiny_llama, tmp_path):
             return super().generate(prompts, sampling, *args, **kwargs)
 
     other = Asked(tiny_llama, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    again = evaluate_splits(other, task, splits, MAX_TOKENS, Scorer(), half)
+    again = evaluate(other, task, splits, MAX_TOKENS, Scorer(), half).scores
     assert asked == [len(splits["train"])]
     assert all(np.array_equal(again[name], together[name]) for name in splits)
