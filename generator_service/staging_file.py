@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +20,7 @@ import grpc
 
 from generator_service.weights import TensorSpec, WeightUpdateError
 from jaxrlhf_wire.dtypes import WIRE_DTYPES
-from jaxrlhf_wire.files import remove_stale_files
+from jaxrlhf_wire.files import create_owned_file, release_owned_file, remove_stale_files
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +38,8 @@ class StagingFile:
     One file serves every update of a server: its pages stay allocated, and writing over them
     costs about half as much as writing into fresh ones (measured on tmpfs), at the price of
     keeping one copy of the model in the staging folder between updates. Files left by servers
-    that died are removed when a server creates its own.
+    that died are removed when a server creates its own (those whose lock no process holds:
+    `jaxrlhf_wire.files`, whatever PID namespace the servers run in).
 
     Writes run in a thread of their own (`os.pwrite` releases the GIL), so that the next chunk
     is received while the last one is written; at most `max_pending` chunks wait to be written.
@@ -53,9 +53,8 @@ class StagingFile:
         self.directory = directory
         try:
             remove_stale_files(directory, self.PREFIX)
-            fd, self.path = tempfile.mkstemp(
-                prefix=f"{self.PREFIX}{os.getpid()}-", suffix=".bin", dir=directory
-            )
+            # Owned by a lock while this server lives (jaxrlhf_wire.files), not by its PID.
+            fd, self.path, self._lock_fd = create_owned_file(directory, self.PREFIX)
         except OSError as error:
             raise WeightUpdateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -124,7 +123,5 @@ class StagingFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        release_owned_file(self.path, self._lock_fd)  # the file, then its lock
+        self._lock_fd = None

@@ -1,8 +1,20 @@
 """Tensor regions in files: the learner's shared weight files and the service's staging file.
 
 Both lay tensors out raw, each region starting on a page boundary (`ALIGNMENT`), so that the
-engine gets aligned views when it maps the file; and both name their files PREFIX<pid>-*.bin,
-so that a new file's creator can remove the files of processes that died.
+engine gets aligned views when it maps the file.
+
+Each file is owned by a lock, not by a PID (`create_owned_file`): beside PREFIX<pid>-X.bin lies
+PREFIX<pid>-X.lock, on which its creator holds a shared flock(2) lock for the file's life. The
+kernel drops the lock when its last descriptor closes, however the creator ends (a child it
+forked holds it too, while it lives), and `remove_stale_files`, which a new file's creator runs,
+deletes a file only when it can take that lock exclusively itself. A PID would not do:
+containers that share /dev/shm but not a PID namespace (the usual vLLM setup) see none of each
+other's processes, and deleted each other's live files. The lock is on a file of its own: on
+the data file, a flock would be the count's lock below (a store waits for every shared holder),
+and fcntl's record locks belong to a process (the learner opens the file again to store a count,
+and closing that descriptor would drop them). The lock file comes first and goes last
+(`release_owned_file`), so a data file of a live creator always has its lock beside it; a data
+file without one was made before files had one, and goes by the PID in its name as before.
 
 The count of a progressive shared file (SharedWeights.progressive) is stored by the learner
 while the server reads it, from another process. Two things must hold. A read never sees half a
@@ -31,10 +43,13 @@ from __future__ import annotations
 
 import fcntl
 import os
+import tempfile
 import time
 from pathlib import Path
 
 ALIGNMENT = 4096
+# The lock file beside each data file (module docstring).
+LOCK_SUFFIX = ".lock"
 # A shared weight file written while the server stages it (SharedWeights.progressive) counts
 # its written tensors in its first bytes, as a little-endian uint64; this count means the
 # writer gave up.
@@ -51,19 +66,80 @@ def aligned(position: int) -> int:
     return position + -position % ALIGNMENT
 
 
+def create_owned_file(directory: str, prefix: str) -> tuple[int, str, int]:
+    """Creates PREFIX<pid>-X.bin in `directory`, empty and open for reading and writing, owned by
+    this process (module docstring): returns (its descriptor, its path, the descriptor that
+    holds its lock). Give both back with `release_owned_file`."""
+    lock_fd, lock_path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", suffix=LOCK_SUFFIX,
+                                          dir=directory)  # fmt: skip
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_SH)  # before the data file exists: never unowned
+        path = lock_path[: -len(LOCK_SUFFIX)] + ".bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except BaseException:
+        os.close(lock_fd)
+        Path(lock_path).unlink(missing_ok=True)
+        raise
+    return fd, path, lock_fd
+
+
+def release_owned_file(path: str, lock_fd: int | None) -> None:
+    """Deletes the owned file at `path` (`create_owned_file`), then its lock file, then lets go
+    of the lock (`lock_fd`; None: not held here)."""
+    Path(path).unlink(missing_ok=True)
+    if lock_fd is not None:
+        Path(lock_file(path)).unlink(missing_ok=True)
+        os.close(lock_fd)
+
+
+def lock_file(path: str | os.PathLike) -> str:
+    """The lock file of the data file at `path` (module docstring)."""
+    return str(Path(path).with_suffix(LOCK_SUFFIX))
+
+
 def remove_stale_files(directory: str, prefix: str) -> None:
-    """Deletes the files named PREFIX<pid>-*.bin in `directory` whose process no longer runs
-    (shared files of dead learners, staging files of dead servers)."""
+    """Deletes the files named PREFIX*.bin in `directory` that no process owns (shared files of
+    dead learners, staging files of dead servers), whatever PID namespace their owners ran in:
+    those whose lock no process holds (module docstring), with their lock files."""
     for path in Path(directory).glob(f"{prefix}*.bin"):
-        pid = path.name[len(prefix) :].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
+        lock = Path(lock_file(path))
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            if not _pid_runs(path.name[len(prefix) :].split("-", 1)[0]):
+                path.unlink(missing_ok=True)  # made before files had a lock
+            continue
         except PermissionError:
-            pass  # alive, another user's
+            continue  # another user's
+        try:
+            if _take_unheld(fd, lock):
+                path.unlink(missing_ok=True)
+                lock.unlink(missing_ok=True)
+        finally:
+            os.close(fd)  # the lock goes with it
+
+
+def _take_unheld(fd: int, lock: Path) -> bool:
+    """Whether this process got the lock of `fd` at once and `fd` is still the file at `lock`
+    (not one that another cleaner deleted meanwhile, or a new file of the same name)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return os.stat(lock).st_ino == os.fstat(fd).st_ino
+    except (BlockingIOError, FileNotFoundError):
+        return False  # held: its owner runs; or gone
+
+
+def _pid_runs(pid: str) -> bool:
+    """Whether the process `pid` (a name's; a name without one: yes) runs, as this process sees."""
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    return True
 
 
 class ProgressLockedError(TimeoutError):

@@ -24,28 +24,58 @@ A build runs in a fresh `python -m jaxrlhf.stages.bed_build` process (the SFT st
 above this one, so it is run as a program, not imported) pinned to one core, on one CPU device
 (`build`): the caller's JAX may see 8 fake devices (the tests) or be pinned to other
 cores, and the bytes written depend on the recipe alone (on this machine's CPU). It is cached in
-`$JAXRLHF_CACHE/models/bed/` under the name and a digest of the recipe (`Recipe.digest`: size,
-seed, steps, batch, learning rate, the train split's examples, the tokenizer, the architecture,
-`RECIPE_VERSION`) via `built_once`, so the next use of the same recipe is a lookup.
+`$JAXRLHF_CACHE/models/bed/` under the name and a digest of the recipe (`Recipe.digest`) via
+`built_once`, so the next use of the same recipe is a lookup.
+
+The digest covers what the built bytes depend on, so that no change of them reuses an old bed:
+- the recipe, the architecture, the tokenizer (vocabulary, pieces, chat template) and the train
+  split's examples, by value;
+- the SFT stage's config, whole (`sft_settings`): every key of its sections that the stage reads
+  is set here, none is left to `base_config()`'s defaults. A default changed for other runs
+  then changes no bed (the claims' committed builds stay the builds of their names), and
+  `jaxrlhf.stages.bed_build` refuses to build while `base_config()` has a key of those sections
+  that is neither set here nor named as unread (`SFT_UNREAD`): a new key cannot slip in unseen.
+  (The config is a layer above this one: its values cannot be read here, only pinned.)
+- the versions of the libraries that compute the update (`LIBRARIES`: jax, jaxlib, flax, optax,
+  all pinned by requirements.txt, so the key is the same on every install of one commit);
+- the code that trains it, through `RECIPE_VERSION`. The code itself is not hashed into the key:
+  every edit of the SFT stage, even one that changes no byte (a summary field, a log line), would
+  rebuild every cached bed and unname the claims' committed start models
+  (`jaxrlhf.experiments.claims.start_models`, named by this digest). Instead
+  `build_code_digest` (the modules of `BUILD_CODE`, comments and docstrings left out) is pinned
+  by tests/models/test_bed_key.py, which fails on any edit of that code and says what to do:
+  raise `RECIPE_VERSION` when the edit can change what a build writes (then rename the
+  committed start models to the new digest), and update the pin either way. The model's own
+  layers and the data loading are below the stage and shared with every run; they are left out.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import subprocess
 import sys
+import tokenize
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from jaxrlhf.models import tiny
 from jaxrlhf.models.built import COMPLETE, built_once, cache_dir
 from jaxrlhf.models.tiny import SPECIAL_TOKENS, save_chat_tokenizer
 
-# Raise when a change to this file or to the SFT stage changes what a build writes: every
-# cached bed is then built again (the digest names the folder).
+# Raise when a change to this file or to the code that trains a bed (`BUILD_CODE`) changes what a
+# build writes: every cached bed is then built again (the digest names the folder), and the
+# claims' committed start models must be renamed to the new digest (module docstring).
 RECIPE_VERSION = 1
+# The modules whose code trains a bed (below the package), pinned by a test (module docstring).
+BUILD_CODE = ("stages/bed_build.py", "stages/sft.py", "stages/supervised.py", "train_state.py")
+# The libraries whose versions the built bytes depend on (module docstring).
+LIBRARIES = ("jax", "jaxlib", "flax", "optax")
 
 HEAD_DIM = 32
 # Width and depth of each size; parameters with the 47-token vocabulary: 137k, 537k, 2.12M.
@@ -62,6 +92,38 @@ SIZES: dict[str, dict[str, int]] = {
 STEPS: dict[str, int] = {"bed": 350, "bed-m": 450, "bed-l": 275}
 # The generator's default context (config.generator.max_model_len) fits; RoPE needs no table.
 MAX_POSITIONS = 256
+
+# The SFT stage's config of every build, but for the recipe's own settings (`sft_settings`):
+# each key of `SFT_SECTIONS` that the stage reads, as `base_config()` set it when the committed
+# start models were built (module docstring).
+SFT_FIXED: dict[str, Any] = {
+    "resume": False,
+    "export": True,
+    "mesh.shape": (1, 1, 1),  # one device
+    "model.dtype": "float32",
+    "model.param_dtype": "float32",
+    "model.remat": False,
+    "model.contraction_block": 0,
+    "model.logprob_chunk": 0,
+    "task.name": "arithmetic",
+    "task.source": "",
+    "task.train_split": "",
+    "task.eval_split": "",
+    "task.test_split": "",
+    "task.validation_fraction": 0.05,
+    "task.num_train": 0,  # the whole train split
+    "task.num_eval": 0,  # held-out NLL before and after: the whole validation split
+    "task.num_test": 0,
+    "train.max_grad_norm": 1.0,
+    "train.weight_decay": 0.0,
+    "train.micro_batch_size": 0,
+}
+# The sections of the config the SFT stage reads, and their keys it does not read (left at
+# `base_config()`'s defaults: they change no byte of a build).
+SFT_SECTIONS = ("mesh", "model", "task", "train", "checkpoint")
+SFT_UNREAD = ("model.path", "model.architecture", "task.preference_source", "task.reward_model",
+              "task.reward_model_architecture", "train.updates_per_batch",
+              "train.log_samples_returned")  # fmt: skip
 
 WORDS = ("What", "is", "Answer", "with", "just", "the", "number", "user", "assistant", "system")
 SYMBOLS = ("+", "-", "=", "?", ".", ",")
@@ -99,13 +161,76 @@ class Recipe:
         """SHA-256 of everything the built weights depend on (module docstring)."""
         record = {
             "recipe": dataclasses.asdict(self),
+            "sft": sft_settings(self),
             "architecture": hf_config(self.size),
             "vocabulary": vocabulary(),
             "pieces": _PIECES,
+            "chat_template": tiny.CHAT_TEMPLATE,
             "train_data": train_data_digest(),
+            "libraries": library_versions(),
             "version": RECIPE_VERSION,
         }
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def sft_settings(recipe: Recipe) -> dict[str, Any]:
+    """The SFT stage's config of a build of `recipe`, whole ("section.key": value; module
+    docstring): `SFT_FIXED` and the recipe's settings."""
+    return {
+        **SFT_FIXED,
+        "seed": recipe.seed,
+        "total_steps": recipe.steps,
+        "train.batch_size": recipe.batch_size,
+        "train.learning_rate": recipe.learning_rate,
+        "train.max_length": recipe.max_length,
+        "train.log_every": max(recipe.steps // 10, 1),
+        "checkpoint.every": recipe.steps,  # a checkpoint only at the end
+    }
+
+
+def library_versions() -> dict[str, str | None]:
+    """The installed version of each of `LIBRARIES` (None: not installed)."""
+    versions: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def build_code_digest() -> str:
+    """SHA-256 of the code of `BUILD_CODE`, without comments, docstrings and blank lines: what a
+    test pins (module docstring). Read as text: the stages are a layer above this one."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for name in BUILD_CODE:
+        digest.update(f"{name}\0{_code_of(package / name)}\0".encode())
+    return digest.hexdigest()
+
+
+def _code_of(path: Path) -> str:
+    """The source at `path` without its comments, docstrings and blank lines, lines right-stripped
+    (positions from `ast` and `tokenize`, the same on every Python the project supports)."""
+    source = path.read_text()
+    skipped: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        first = node.body[0] if node.body else None
+        if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+                and first.lineno > getattr(node, "lineno", 0)):  # fmt: skip
+            skipped.update(range(first.lineno, first.end_lineno + 1))
+    comments = {token.start[0]: token.start[1]
+                for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                if token.type == tokenize.COMMENT}  # fmt: skip
+    lines = []
+    for number, line in enumerate(source.splitlines(), 1):
+        line = line[: comments.get(number, len(line))].rstrip()
+        if line and number not in skipped:
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def bed_path(name: str = "bed", recipe: Recipe | None = None, root: Path | None = None) -> Path:

@@ -6,8 +6,9 @@ A learner and a generator on one host need not push the weights through a socket
 fixed order, and `write` puts each converted tensor straight into its region (the conversion's
 one copy is the only one); `UpdateWeightsShared` then sends only where each tensor lies, and the
 engine loads views of the file. The file is created once and rewritten in place by every update
-(its pages stay allocated), and deleted by `close`; files of dead learners are removed when a
-new one is created. Memory: the file is one copy of the model in /dev/shm, and it takes the
+(its pages stay allocated), and deleted by `close`; files of dead learners (whose lock no
+process holds, whatever its PID namespace: `jaxrlhf_wire.files`) are removed when a new one is
+created. Memory: the file is one copy of the model in /dev/shm, and it takes the
 place of the service's staging file (which a streamed update fills), so the host holds the same
 as with streaming, not more.
 
@@ -28,9 +29,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,8 @@ from jaxrlhf_wire.files import (  # noqa: F401
     PROGRESS_ABANDONED,
     PROGRESS_BYTES,
     aligned,
+    create_owned_file,
+    release_owned_file,
     remove_stale_files,
     write_progress_count,
 )
@@ -59,14 +60,14 @@ class SharedWeightsFile:
         self._owner = True  # created here: deleted by close
         size = self.size
         remove_stale_files(directory, PREFIX)
-        fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".bin",
-                                         dir=directory)  # fmt: skip
+        # Owned by a lock while this process lives (jaxrlhf_wire.files), not by its PID.
+        fd, self.path, self._lock_fd = create_owned_file(directory, PREFIX)
         try:
             os.ftruncate(fd, max(size, 1))
             self._map: mmap.mmap | None = mmap.mmap(fd, max(size, 1))
         except BaseException:
             os.close(fd)
-            os.unlink(self.path)
+            release_owned_file(self.path, self._lock_fd)
             raise
         os.close(fd)
 
@@ -138,7 +139,7 @@ class SharedWeightsFile:
         write this process's slices into (`write_slices`); `close` leaves it in place."""
         self = cls.__new__(cls)
         self._lay_out(specs)
-        self.path, self._owner = path, False
+        self.path, self._owner, self._lock_fd = path, False, None
         with open(path, "r+b") as file:
             if os.fstat(file.fileno()).st_size != max(self.size, 1):
                 raise ValueError(f"shared weight file {path} is not laid out for these tensors")
@@ -208,7 +209,8 @@ class SharedWeightsFile:
                 pass  # a view still holds it; the mapping goes with the last view
             self._map = None
         if self._owner:
-            Path(self.path).unlink(missing_ok=True)
+            release_owned_file(self.path, self._lock_fd)  # the file, then its lock
+            self._lock_fd = None
 
     def __enter__(self) -> SharedWeightsFile:
         return self

@@ -16,7 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.models.bed import RECIPE_VERSION, Recipe, hf_config, make_tokenizer, token_id
+from jaxrlhf.models.bed import (
+    RECIPE_VERSION,
+    SFT_SECTIONS,
+    SFT_UNREAD,
+    Recipe,
+    hf_config,
+    make_tokenizer,
+    sft_settings,
+    token_id,
+)
 
 
 def build_here(folder: Path, recipe: Recipe, log=print) -> dict[str, Any]:
@@ -56,25 +65,35 @@ def build_here(folder: Path, recipe: Recipe, log=print) -> dict[str, Any]:
 
 
 def sft_config(recipe: Recipe, output_dir: Path):
-    """The SFT stage's config for `recipe`: the whole train split, one device, a checkpoint
-    only at the end."""
+    """The SFT stage's config for `recipe`: `base_config()` with every key the stage reads set
+    from `bed.sft_settings` (the bed's digest covers them all). Refuses while `base_config()`
+    has a key in those sections that the bed neither sets nor names as unread."""
     from jaxrlhf.config import base_config
 
     config = base_config()
+    settings = sft_settings(recipe)
+    unknown = sorted(set(section_keys(config)) - set(settings) - set(SFT_UNREAD))
+    if unknown:
+        raise ValueError(
+            f"base_config() has SFT keys the test bed does not set: {', '.join(unknown)}. Set "
+            "each in jaxrlhf.models.bed.SFT_FIXED (to the value the committed start models were "
+            "built with, or raise RECIPE_VERSION), or name it in SFT_UNREAD if the SFT stage "
+            "does not read it"
+        )
     config.stage = "sft"
-    config.seed = recipe.seed
     config.output_dir = str(output_dir)
-    config.mesh.shape = (1, 1, 1)
-    config.task.name = "arithmetic"
-    config.task.num_train = 0  # the whole train split
-    config.task.num_eval = 0  # held-out NLL before and after: the whole validation split
-    config.total_steps = recipe.steps
-    config.train.batch_size = recipe.batch_size
-    config.train.learning_rate = recipe.learning_rate
-    config.train.max_length = recipe.max_length
-    config.train.log_every = max(recipe.steps // 10, 1)
-    config.checkpoint.every = recipe.steps
+    for key, value in settings.items():
+        *sections, name = key.split(".")
+        node = config
+        for section in sections:
+            node = node[section]
+        node[name] = value
     return config
+
+
+def section_keys(config) -> list[str]:
+    """The "section.key" names of `config`'s sections that the SFT stage reads."""
+    return [f"{section}.{key}" for section in SFT_SECTIONS for key in config[section]]
 
 
 def main(argv: list[str]) -> None:

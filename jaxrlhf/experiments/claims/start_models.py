@@ -22,13 +22,14 @@ across two builds, made whole one run at a time).
 from __future__ import annotations
 
 import filecmp
+import functools
 import json
 import re
 import shutil
 from pathlib import Path
 
 from jaxrlhf.experiments import REPO
-from jaxrlhf.models.built import COMPLETE, built_once, cache_dir
+from jaxrlhf.models.built import COMPLETE, cache_dir, replaced
 
 COMMITTED = REPO / "results" / "claims" / "start-models"
 FILES = ("bed.json", "chat_template.jinja", "config.json", "generation_config.json",
@@ -44,23 +45,37 @@ def same_file(a: Path, b: Path) -> bool:
 def install(committed: Path = COMMITTED, root: Path | None = None) -> list[str]:
     """Puts each committed start model into the bed's cache (`root`: default the cache's
     models/bed), replacing a build of the same name whose files differ. Returns a line per
-    model, to print."""
+    model, to print.
+
+    A run may be reading the cache's folder meanwhile (another claim's piece, started from it):
+    the folder is replaced in one step (`built.replaced`), never deleted first, so that its
+    path names a whole model, the old or the new, at every moment; two installs at once take
+    turns, and the second finds the first's copy."""
     root = root if root is not None else cache_dir() / "models" / "bed"
     lines = []
     for source in sorted(p for p in committed.glob("*") if (p / "model.safetensors").exists()):
         target = root / source.name
-        if (target / COMPLETE).exists():
-            if all(same_file(source / n, target / n) for n in FILES):
-                lines.append(f"{source.name}: the committed start model (already in the cache)")
-                continue
-            shutil.rmtree(target)
+        other = (target / COMPLETE).exists() and not same_build(source, target)
+        copy = functools.partial(copy_build, source)
+        if not replaced(target, copy, keep=functools.partial(same_build, source)):
+            lines.append(f"{source.name}: the committed start model (already in the cache)")
+        elif other:
             lines.append(f"{source.name}: the cache held another build of this recipe (this "
                          f"machine's); replaced by the committed start model")  # fmt: skip
         else:
             lines.append(f"{source.name}: the committed start model, copied into the cache")
-        built_once(target, lambda tmp, source=source: [shutil.copy2(source / n, tmp / n)
-                                                        for n in FILES])  # fmt: skip
     return lines
+
+
+def same_build(source: Path, folder: Path) -> bool:
+    """Whether `folder` holds the build's `FILES` of `source`, byte for byte."""
+    return all(same_file(source / name, folder / name) for name in FILES)
+
+
+def copy_build(source: Path, folder: Path) -> None:
+    """Copies the build's `FILES` of `source` into `folder`."""
+    for name in FILES:
+        shutil.copy2(source / name, folder / name)
 
 
 def model_of(overrides: dict) -> str:
