@@ -209,7 +209,7 @@ def test_pipeline_modes_bench_runs_each_mode_end_to_end(
 
 # An arm of each claim (`--arms`), so that every claim's plan, runs and report are exercised.
 CLAIM_ARMS = {"pilot": "sync", "a": "continuous", "b": "grpo+mask/N16", "c": "bed/N1", "d": "K2",
-              "e": "U2", "f": "grpo+mask"}  # fmt: skip
+              "e": "U2", "f": "grpo+mask", "b-tuning": "ppo/lr5e-06/kl_coef0.02"}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -227,9 +227,12 @@ def test_every_claim_runs(generator_address, in_flight_server, tiny_llama, tmp_p
             "--config.rollout.max_prompt_tokens=48", "--config.generator.max_model_len=256",
             *QUICK]  # fmt: skip
     for claim, arms in CLAIM_ARMS.items():
-        claims_main(["--claim", claim, "--arms", arms, "--seeds", "0", "--steps", "2",
-                     "--eval-every", "1", "--out", str(tmp_path), "--generator-addresses",
-                     generators, *tiny])  # fmt: skip
+        command = ["--claim", claim, "--arms", arms, "--seeds", "0", "--steps", "2",
+                   "--eval-every", "1", "--out", str(tmp_path), "--generator-addresses",
+                   generators, *tiny]  # fmt: skip
+        if claim == "b-tuning":  # pre-registered: its plan first
+            claims_main([*command, "--write-plan"])
+        claims_main(command)
         assert f"records: {tmp_path / claim}" in capsys.readouterr().out
         record = json.loads((tmp_path / claim / "claim.json").read_text())
         assert record["settings"]["seeds"] == [0] and (tmp_path / claim / "claim.png").exists()
@@ -241,6 +244,9 @@ def test_every_claim_runs(generator_address, in_flight_server, tiny_llama, tmp_p
     for claim, arm in (("b", "grpo+mask/N16"), ("c", "bed/N1"), ("d", "K2"), ("e", "U2"),
                        ("f", "grpo+mask")):  # fmt: skip
         assert (tmp_path / claim / arm / "seed0" / "summary.json").exists(), (claim, arm)
+    tuned = json.loads((tmp_path / "b-tuning" / CLAIM_ARMS["b-tuning"] / "seed0" /
+                        "summary.json").read_text())  # fmt: skip
+    assert "eval_accuracy_end" in tuned and "test_accuracy_end" not in tuned  # test split off
     metrics = (tmp_path / "e" / "U2" / "seed0" / "metrics.jsonl").read_text()
     assert [json.loads(line)["step"] for line in metrics.splitlines()] == [1, 2]
     # The evaluation after update 1 measured the weights served: with N = 16 (publishes after

@@ -31,6 +31,7 @@ from typing import Any
 import ml_collections
 
 from jaxrlhf.config import config_keys
+from jaxrlhf.config.checks import resolve
 
 FORMAT = 1
 SUMMARY = "summary.json"
@@ -66,6 +67,7 @@ def is_ignored(key: str) -> bool:
 def flat_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The keys that decide what the stage trains, flat, JSON's types, paths under the recipe's
     root as `<root>/...` (module docstring)."""
+    config = resolve(config.copy_and_resolve_references())  # as the stage reads it
     recipe = config.get("recipe")
     root = str(recipe.root).rstrip("/") if recipe and recipe.get("root") else None
     flat = {}

@@ -105,6 +105,9 @@ def test_a_finished_recipe_is_skipped_and_a_changed_key_refused(recipe_dir):
     assert [line.split(" (")[0] for line in lines] == ["runs/nobots/sft", "runs/nobots/rlhf"]
     assert 'model.path "meta-llama/Llama-3.1-8B" → "/other"' in lines[0]
     assert "train.learning_rate 8e-07 → 1e-06" in lines[1]
+    # A shorthand compares as the stage reads it (num_mini_batches sets two keys).
+    runs = recipe_runs({"num_mini_batches": 1}, stage_config())  # = sync_every 1, staleness 0
+    assert "max_staleness 1 → 0" in refusals(runs, COMMAND)[0]
     # Keys that cannot change what a stage trains are not compared.
     runs = recipe_runs({"eval.every": 5, "checkpoint.every": 1, "generator.addresses": "h:1"},
                        stage_config())  # fmt: skip

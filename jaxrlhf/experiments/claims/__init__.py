@@ -29,6 +29,12 @@ The claims (arms; comparisons, one family each, corrected by Holm's procedure):
 - (e) several updates per batch help, generation-bound: 1, 2, 4 updates per batch; each U − 1.
 - (f) ours: off-policy corrections on samples that span a publish (continuous generation,
   in-flight swaps, generation-bound): GRPO with each correction, Online DPO; each − GRPO alone.
+- b-tuning: each loss of (b) on its own on-policy arm over a grid of learning rates and its β
+  or KL coefficient, on validation alone (`tuning`); the choice goes into (b)'s plan.
+
+Pre-registration (`registration`): a claim with a registration spec (`SPECS`) runs only from
+its committed `plan.json` (`--write-plan` writes it), and its report labels the verdict
+"pre-registered" or "post hoc".
 
 Statistics (`jaxrlhf.experiments.stats`): differences paired by seed, mean ± s.e. (n − 1), 95%
 t intervals; a section's comparisons are corrected with Holm's procedure before a difference is
@@ -46,6 +52,7 @@ TITLES = {
     "d": "(d) Training-bound, K = 4 samples per prompt reach a target sooner than K = 2",
     "e": "(e) Generation-bound, several updates per batch help",
     "f": "(f) Off-policy corrections on samples that span a publish (ours)",
+    "b-tuning": "(b) tuning: each loss's learning rate and β or KL coefficient, on validation",
 }
 # What the paper reports for each (DESIGN of the project: No Robots, TLDR, GSM8k runs).
 PAPER = {
@@ -55,6 +62,7 @@ PAPER = {
     "d": "K = 4 reaches the target about 2.5x sooner, at a higher KL",
     "e": "more updates per batch speed learning up, at a cost in final performance",
     "f": "not studied",
+    "b-tuning": "set per loss (Online DPO 3e-6 with β 0.05; PPO 1e-6)",
 }
 
 __all__ = ["PAPER", "PLANS", "TITLES", "Settings"]

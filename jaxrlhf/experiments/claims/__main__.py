@@ -10,25 +10,32 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxrlhf.experiments import CONFIGS
-from jaxrlhf.experiments.claims import PAPER, PLANS, TITLES, start_models
+from jaxrlhf.experiments.claims import PAPER, PLANS, TITLES, registration, start_models, tuning
 from jaxrlhf.experiments.claims.analysis import by_arm
 from jaxrlhf.experiments.claims.figures import claims_table, markdown, plot_claim
 from jaxrlhf.experiments.claims.plans import Settings
 from jaxrlhf.experiments.claims.verdicts import analyse
 from jaxrlhf.experiments.runner import Runner, parse_passthrough, parse_seeds
 
-ORDER = ("pilot", "a", "b", "c", "d", "e", "f")
+ORDER = ("pilot", "a", "b", "c", "d", "e", "f")  # the claims table's rows
+# Claims registered before their runs (`registration`): the measure, rule and families of the
+# plan, and the command line's defaults.
+SPECS = {"b-tuning": tuning.RULE}
+DEFAULTS = {"b-tuning": {"seeds": tuning.SEEDS, "steps": tuning.STEPS, "eval_every": 64}}
 
 
 def parse_args(argv: Sequence[str] | None):
     parser = argparse.ArgumentParser(prog="python -m jaxrlhf.experiments.claims",
                                      description=__doc__)  # fmt: skip
-    parser.add_argument("--claim", choices=ORDER, help="the claim to run or report")
+    parser.add_argument("--claim", choices=(*ORDER, *SPECS), help="the claim to run or report")
     parser.add_argument("--seeds", default=None,
-                        help='e.g. "0-19" or "0,1,2" (default 0-9; with --report-only, the '
-                             "seeds the claim last recorded)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=64, help="updates per run")
-    parser.add_argument("--eval-every", type=int, default=16, help="updates between evaluations")
+                        help='e.g. "0-19" or "0,1,2" (default 0-9, or the claim\'s own; with '
+                             "--report-only, the seeds the claim last recorded)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=None, help="updates per run (default 64)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="updates between evaluations (default 16)")  # fmt: skip
+    parser.add_argument("--write-plan", action="store_true",
+                        help="write the claim's plan.json (commit it before the runs)")  # fmt: skip
     parser.add_argument("--out", default="results/claims")
     parser.add_argument("--report-only", action="store_true", help="read the records only")
     parser.add_argument("--generator-addresses", default="",
@@ -57,8 +64,10 @@ def settings_of(args, claim: str) -> Settings:
         return Settings(seeds=tuple(saved["seeds"]), steps=saved["steps"],
                         eval_every=saved["eval_every"],
                         passthrough=tuple(saved["passthrough"].items()))  # fmt: skip
-    return Settings(seeds=tuple(parse_seeds(args.seeds or "0-9")), steps=args.steps,
-                    eval_every=args.eval_every,
+    defaults = {"seeds": "0-9", "steps": 64, "eval_every": 16, **DEFAULTS.get(claim, {})}
+    return Settings(seeds=tuple(parse_seeds(args.seeds or defaults["seeds"])),
+                    steps=args.steps or defaults["steps"],
+                    eval_every=args.eval_every or defaults["eval_every"],
                     passthrough=tuple(args.passthrough.items()))  # fmt: skip
 
 
@@ -67,6 +76,20 @@ def run_claim(claim: str, args) -> dict:
     settings = settings_of(args, claim)
     out = Path(args.out).resolve()
     runs = PLANS[claim](settings, out)
+    planned = None
+    if claim in SPECS:
+        planned = registration.build_plan(claim, settings, runs, SPECS[claim])
+    if args.write_plan:
+        if planned is None:
+            sys.exit(f"claim {claim} has no registration spec (SPECS): its plan is its code")
+        path = registration.write_plan(out / claim, planned)
+        print(f"[claim {claim}] wrote {path}: commit it before the first run", flush=True)
+        return {}
+    if planned is not None and not args.report_only:
+        command = " ".join(["python -m jaxrlhf.experiments.claims", *sys.argv[1:]])
+        problem = registration.check_before_running(out / claim, planned, command)
+        if problem:
+            sys.exit(f"claim {claim}: {problem}")
     if not args.report_only:
         for line in start_models.install():
             print(f"[claim {claim}] start model {line}", flush=True)
@@ -83,6 +106,9 @@ def run_claim(claim: str, args) -> dict:
                      f"{', '.join(sorted({r.labels['arm'] for r in runs}))}")  # fmt: skip
         runner.run_all(chosen, last=5)
     record = analyse(claim, runs, settings)
+    if planned is not None and "verdict" in record:
+        names = [c["name"] for c in record.get("comparisons", [])]
+        record["verdict"]["registration"] = registration.registration(out / claim, planned, names)
     record |= {"title": TITLES[claim], "paper": PAPER.get(claim, "-"),
                "settings": {"seeds": list(settings.seeds), "steps": settings.steps,
                             "eval_every": settings.eval_every,
@@ -99,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.claim is not None:
         record = run_claim(args.claim, args)
+        if args.write_plan:
+            return
         print(f"## {TITLES[args.claim]}\n")
         print(markdown(record))
         print(f"\nrecords: {Path(args.out) / args.claim}; figure: claim.png there")

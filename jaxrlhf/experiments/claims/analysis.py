@@ -52,8 +52,8 @@ def run_figures(run: PlannedRun, last: int = 5) -> dict[str, Any] | None:
         records, summary = read_run(run.folder)
     except FileNotFoundError:
         return None
-    if summary.get("test_accuracy_end") is None:
-        return None
+    if summary.get("test_accuracy_end") is None and summary.get("eval_accuracy_end") is None:
+        return None  # not finished (a tuning run evaluates validation alone)
     tail = records[-last:]
     later = records[1:] or records
 

@@ -104,7 +104,10 @@ def markdown(record: dict[str, Any]) -> str:
                          f"[{f['low']:+.1f}, {f['high']:+.1f}] | {f['p']:.3g} | {f['seeds']} | "
                          f"{'yes' if f['beyond_noise'] else 'no'} |")  # fmt: skip
     if "verdict" in record:
-        lines += ["", f"Verdict: **{record['verdict']['word']}** ({record['verdict']['detail']})"]
+        verdict = record["verdict"]
+        lines += ["", f"Verdict: **{verdict['word']}** ({verdict['detail']})"]
+        if verdict.get("registration"):
+            lines += ["", f"Registration: {verdict['registration']}"]
     if "power" in record:
         p = record["power"]
         lines += ["", f"Paired spread (s.d. of one-step-off − sync over seeds): "

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxrlhf.experiments.claims import tuning
 from jaxrlhf.experiments.offpolicy import variant_overrides, variants
 from jaxrlhf.experiments.runner import CONTINUOUS_OVERRIDES, PlannedRun
 
@@ -274,6 +275,28 @@ MIXED_WORKLOAD = {
     "max_staleness": 2,
 }
 
+# --- (b)'s tuning ------------------------------------------------------------------------------
+
+
+def plan_tuning(settings: Settings, out: Path):
+    """Each loss's grid points on its own on-policy arm, test split off (`tuning`)."""
+    on_policy = {"num_mini_batches": 1, "rollout.prompts_per_batch": tuning.PROMPTS_PER_BATCH,
+                 "eval.test": False, "eval.test_every": 0}  # fmt: skip
+    return [
+        _run(
+            out,
+            "b-tuning",
+            arm,
+            seed,
+            settings,
+            {**on_policy, **overrides},
+            {"loss": overrides["loss"]},
+        )  # fmt: skip
+        for seed in settings.seeds
+        for arm, overrides in tuning.grid(settings.losses)
+    ]
+
+
 PLANS = {
     "pilot": plan_pilot,
     "a": plan_async,
@@ -282,4 +305,5 @@ PLANS = {
     "d": plan_samples,
     "e": plan_updates,
     "f": plan_mixed,
+    "b-tuning": plan_tuning,
 }

@@ -22,6 +22,7 @@ from jaxrlhf.experiments.claims.analysis import (
     starts,
 )
 from jaxrlhf.experiments.claims.plans import Settings, offpolicy_arm
+from jaxrlhf.experiments.claims.tuning import best_on_validation
 from jaxrlhf.experiments.runner import PlannedRun
 from jaxrlhf.experiments.stats import compare
 
@@ -209,6 +210,18 @@ RULES = {
 }
 
 
+def tuning_record(arms, runs: Sequence[PlannedRun]) -> dict[str, Any]:
+    """(b)'s tuning: the settings chosen per loss (`tuning.best_on_validation`)."""
+    chosen = best_on_validation(arms, runs)
+    losses = list(dict.fromkeys(run.labels["loss"] for run in runs))
+    detail = "; ".join(f"{loss}: {c['arm'].split('/', 1)[1]} ({c['validation']:.1f} ± "
+                       f"{c['validation_stderr']:.1f} on validation)"
+                       for loss, c in chosen.items())  # fmt: skip
+    word = "tuned" if len(chosen) == len(losses) else "part-run"
+    return {"chosen": chosen, "comparisons": [], "family_size": 0,
+            "verdict": Verdict(word, detail or "no loss finished").as_dict()}  # fmt: skip
+
+
 def analyse(claim: str, runs: Sequence[PlannedRun], settings: Settings) -> dict[str, Any]:
     """The claim's record: per-arm rows, its family of comparisons, its verdict (or, for the
     pilot, the spread and the seeds it implies). Until every planned run has finished the
@@ -223,6 +236,8 @@ def analyse(claim: str, runs: Sequence[PlannedRun], settings: Settings) -> dict[
     if claim == "pilot":
         record["power"] = power_of(arms, "one-step-off", "sync")
         return record
+    if claim == "b-tuning":
+        return record | tuning_record(arms, runs)
     findings, verdict = RULES[claim](arms, settings)
     finished = sum(len(seeds) for seeds in arms.values())
     if finished < len(runs):  # the seeds were fixed before the runs: no verdict on a part
