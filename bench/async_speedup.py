@@ -72,6 +72,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ as a package
+from bench.flags import add_timed_run_arguments, parse_timed_run_args  # noqa: E402
 from jaxrlhf.experiments import (
     config_file_for,
     load_config,
@@ -82,7 +84,6 @@ from jaxrlhf.experiments import (
     run_main,
     timed_run_overrides,
 )
-from jaxrlhf.experiments.bench_flags import add_timed_run_arguments, parse_timed_run_args
 
 MODES = {"sync": 0, "async": 1}  # mode -> max_staleness
 TARGET_EFFICIENCY = 0.9

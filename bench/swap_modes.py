@@ -42,16 +42,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ as a package
+from bench.flags import add_timed_run_arguments, parse_timed_run_args  # noqa: E402
 from jaxrlhf.experiments import (
     config_file_for,
     placement_overrides,
     read_run,
     timed_run_overrides,
 )
-from jaxrlhf.experiments.bench_flags import add_timed_run_arguments, parse_timed_run_args
 from jaxrlhf.experiments.services import SWAP_SETTINGS, run_side_by_side
 
 # name -> (generator.swap_mode, generator.in_flight_kv, generator.stage)
