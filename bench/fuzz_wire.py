@@ -54,8 +54,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from jaxrlhf.rpc import GeneratorClient
-from jaxrlhf.rpc.shared import SharedWeightsFile
+from jaxrlhf.fleet.rpc import GeneratorClient
+from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 from jaxrlhf_wire.chunks import (
     UPDATE_WEIGHTS_METHOD,
     MalformedChunkError,
@@ -813,8 +813,8 @@ def fuzz_for(fuzzer: WireFuzzer, seconds: float, seed: int = 0, batch: int = 25)
 
 def _start_own_server() -> tuple[Any, Path]:
     """A server on the suite's tiny Llama (built into .cache/ on first use), as the tests run it."""
+    from jaxrlhf.fleet.service import start_server
     from jaxrlhf.models.tiny import make_tiny_model
-    from jaxrlhf.rl.service import start_server
 
     repo = Path(__file__).resolve().parent.parent
     model = make_tiny_model(repo / ".cache" / "test-models" / "llama")

@@ -32,7 +32,7 @@ def client_process(address: str, streams: int, seconds: float, args: dict, out) 
     """`streams` threads, each looping Generate calls for `seconds`; sends its call records."""
     import grpc
 
-    from jaxrlhf.rpc import GeneratorClient
+    from jaxrlhf.fleet.rpc import GeneratorClient
 
     records: list[tuple[float, int, int, str]] = []  # (latency, tokens, versions, error)
     lock = threading.Lock()
@@ -85,8 +85,8 @@ def updater(address: str, model: Path, every: float, stop: threading.Event, done
     """Publishes perturbed copies of the model's tensors every `every` seconds."""
     import numpy as np
 
+    from jaxrlhf.fleet.rpc import GeneratorClient
     from jaxrlhf.models.safetensors_io import SafetensorsFile
-    from jaxrlhf.rpc import GeneratorClient
 
     file = SafetensorsFile(model / "model.safetensors")
     base = {name: np.array(file.get(name)) for name in file.names()}
@@ -139,7 +139,7 @@ def main() -> None:
     server = None
     address = args.address
     if not address:
-        from jaxrlhf.rl.service import start_server
+        from jaxrlhf.fleet.service import start_server
 
         log = REPO / ".cache" / "bench_generate_load.log"
         server = start_server(model, log, ["--dtype", "float32", "--max-model-len", "256"],

@@ -60,7 +60,7 @@ def parse_args() -> argparse.Namespace:
 
 def adopt_served_settings(args: argparse.Namespace) -> None:
     """With --address: the in-process engine takes the model, dtype and length the service has."""
-    from jaxrlhf.rpc import GeneratorClient
+    from jaxrlhf.fleet.rpc import GeneratorClient
 
     with GeneratorClient(args.address) as client:
         status = client.wait_until_serving(timeout=120)
@@ -83,7 +83,7 @@ def service_address(args, model_dir: str, log_path: Path):
     if args.address:
         yield args.address
         return
-    from jaxrlhf.rl.service import start_server
+    from jaxrlhf.fleet.service import start_server
 
     server_args = ["--dtype", args.dtype, "--seed", str(args.seed)]
     if args.max_model_len:
@@ -98,7 +98,7 @@ def service_address(args, model_dir: str, log_path: Path):
 @contextmanager
 def service_runner(args, address: str):
     """Yields a function that runs all prompts once through the service and returns seconds."""
-    from jaxrlhf.rpc import GeneratorClient
+    from jaxrlhf.fleet.rpc import GeneratorClient
 
     with GeneratorClient(address) as client:
         sampling = dict(

@@ -123,6 +123,7 @@ def worker(args) -> None:
     )
 
     return_freed_host_memory()  # as jaxrlhf.main does for a multi-process learner
+    from jaxrlhf.fleet.pool import GeneratorPool
     from jaxrlhf.models import (
         hf_tensor_specs,
         iter_hf_slices,
@@ -131,7 +132,6 @@ def worker(args) -> None:
         slice_plan,
     )
     from jaxrlhf.models.mapping import flatten
-    from jaxrlhf.rl.pool import GeneratorPool
     from jaxrlhf.rl.publisher import PublishJob, publish_sliced
     from jaxrlhf.sharding import make_mesh
 
@@ -203,7 +203,7 @@ def over_bound(results: list[dict], max_layers: float, mode: str = "sliced") -> 
 
 def served_greedy(address: str) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and their log-probs of a few prompts, from what `address` serves."""
-    from jaxrlhf.rpc import GeneratorClient
+    from jaxrlhf.fleet.rpc import GeneratorClient
 
     prompts = [[5, 6, 7, 8], [9, 10, 11], [1, 200, 31, 77]]
     with GeneratorClient(address) as client:
@@ -217,7 +217,7 @@ def served_as_one_stream(address: str, model: str) -> bool:
     what the model folder's own tensors do, sent as one stream by one process."""
     from safetensors.numpy import load_file
 
-    from jaxrlhf.rpc import GeneratorClient
+    from jaxrlhf.fleet.rpc import GeneratorClient
 
     before = served_greedy(address)
     tensors = {}
@@ -280,7 +280,7 @@ def main() -> None:
     server = None
     address = args.address
     if not address:
-        from jaxrlhf.rl.service import start_server
+        from jaxrlhf.fleet.service import start_server
 
         log = REPO / ".cache" / "bench_publish_generator.log"
         server = start_server(model, log, ["--dtype", "float32", "--max-model-len", "256"],

@@ -22,8 +22,8 @@ from pathlib import Path
 import grpc
 
 from generator_service.reaper import descendants
-from jaxrlhf.rl.service import ServerProcess, start_server
-from jaxrlhf.rpc import GeneratorClient
+from jaxrlhf.fleet.rpc import GeneratorClient
+from jaxrlhf.fleet.service import ServerProcess, start_server
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER_ENV = "JAXRLHF_SOAK_ID"

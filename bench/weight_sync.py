@@ -152,9 +152,9 @@ def main() -> None:
 def measure_service(args, model, params, model_dir, dtype, specs, mode) -> dict:
     """Publishes `args.repeats` updates by each transport, alternating, to `args.address` or to a
     service started here (`mode` "on": staged, "off": --no-stage); their seconds."""
+    from jaxrlhf.fleet.pool import GeneratorPool
+    from jaxrlhf.fleet.service import start_server
     from jaxrlhf.models import iter_hf_tensors
-    from jaxrlhf.rl.pool import GeneratorPool
-    from jaxrlhf.rl.service import start_server
 
     server, address = None, args.address
     if not address:

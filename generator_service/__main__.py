@@ -184,7 +184,7 @@ def lead_process_group() -> None:
 
 
 def stop_with_parent() -> None:
-    """When started with an inherited pipe ($JAXRLHF_PARENT_FD, jaxrlhf.rl.service), stop
+    """When started with an inherited pipe ($JAXRLHF_PARENT_FD, jaxrlhf.fleet.service), stop
     (SIGTERM: drain and exit) once the process holding its other end is gone."""
     fd = os.environ.get("JAXRLHF_PARENT_FD")
     if not fd:

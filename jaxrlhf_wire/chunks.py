@@ -165,7 +165,7 @@ def encode_weight_chunks(
 ) -> Iterator[bytes]:
     """Named arrays as serialised `WeightChunk`s of at most `chunk_bytes` data each, for an
     UpdateWeights call whose request serializer is None
-    (`jaxrlhf.rpc.GeneratorClient.update_weights_encoded`).
+    (`jaxrlhf.fleet.rpc.GeneratorClient.update_weights_encoded`).
 
     Lazy: one tensor's bytes at a time are copied into messages, a block of rows at a time.
     A value may be a `TensorSlice` (a box of the named tensor); `num_tensors` counts distinct

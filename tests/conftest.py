@@ -146,7 +146,7 @@ MAX_MODEL_LEN = 256
 
 def start_test_server(model_dir, log_path, extra_args=(), env=None):
     """`python -m generator_service` on a free loopback port, fp32, small KV cache."""
-    from jaxrlhf.rl.service import start_server
+    from jaxrlhf.fleet.service import start_server
 
     args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0"]
     return start_server(

@@ -599,7 +599,7 @@ def test_swap_modes_figures_by_hand():
 def started_services(monkeypatch):
     """`start_server` replaced by fake servers (listed in start order) that fail the test when
     one starts while another still runs."""
-    import jaxrlhf.rl.service
+    import jaxrlhf.fleet.service
 
     started = []
 
@@ -620,7 +620,7 @@ def started_services(monkeypatch):
         started.append(Server(options, cpus))
         return started[-1]
 
-    monkeypatch.setattr(jaxrlhf.rl.service, "start_server", start_server)
+    monkeypatch.setattr(jaxrlhf.fleet.service, "start_server", start_server)
     return started
 
 
@@ -654,7 +654,7 @@ def test_a_run_whose_service_died_runs_again_on_a_new_one(
     """`Runner._execute`: a run that fails because its service exited meanwhile is run again on
     a new service, from an empty folder; a run that fails with its service alive is not; a
     service dying more than MAX_GENERATOR_RESTARTS times ends the experiment with its log.
-    (A real service killed mid-run and the learner surviving it: tests/test_fleet.py.)"""
+    (A real service killed mid-run and the learner surviving it: tests/fleet/test_fleet.py.)"""
     import jaxrlhf.experiments.runner as runner_module
 
     calls = []

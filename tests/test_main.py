@@ -178,7 +178,7 @@ def test_a_least_response_length_is_sent_and_checked_against_the_length_law():
 
 def test_a_started_generator_computes_on_every_core_unless_told():
     from jaxrlhf.config import base_config
-    from jaxrlhf.rl.service import engine_args
+    from jaxrlhf.fleet.service import engine_args
 
     gen = base_config().generator
     args = engine_args(gen)
@@ -189,7 +189,7 @@ def test_a_started_generator_computes_on_every_core_unless_told():
 
 def test_a_started_generator_runs_its_model_where_told():
     from jaxrlhf.config import base_config
-    from jaxrlhf.rl.service import engine_args
+    from jaxrlhf.fleet.service import engine_args
 
     gen = base_config().generator
     assert "--engine-executor" not in engine_args(gen)  # the service's own default
@@ -218,7 +218,7 @@ def test_a_uni_engine_computes_on_the_cores_left_to_it(monkeypatch):
 def test_a_started_generator_stages_its_swaps_unless_told():
     from jaxrlhf.config import base_config
     from jaxrlhf.experiments.services import swap_setting
-    from jaxrlhf.rl.service import engine_args
+    from jaxrlhf.fleet.service import engine_args
 
     gen = base_config().generator
     assert "--stage" in engine_args(gen) and swap_setting(gen) == "drain"

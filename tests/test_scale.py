@@ -19,11 +19,12 @@ import optax
 import pytest
 
 from jaxrlhf.config import base_config, resolve, validate
+from jaxrlhf.fleet.sample import Sample
 from jaxrlhf.losses import LOSSES
 from jaxrlhf.models import load_pretrained, next_token_logprobs
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.objectives import build_objective
-from jaxrlhf.rl.rollout import PromptItem, Rollout, Sample
+from jaxrlhf.rl.rollout import PromptItem, Rollout
 from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import make_mesh, shard_batch
 from jaxrlhf.stages.reward import bradley_terry_loss

@@ -258,7 +258,7 @@ def test_a_short_soak_passes_its_checks(tiny_llama, tmp_path, own_generator):
     # One cycle of the schedule (--minutes 0), faults 1-3 s apart: a hang of up to 8 s, an
     # update failing half-way, two learner kills (the first one resumes from step 2). The
     # faults that end a server (kill, hang-replace, restart) each cost an engine start (~30 s
-    # here); tests/test_fleet.py has each of them against real servers mid-run. The last
+    # here); tests/fleet/test_fleet.py has each of them against real servers mid-run. The last
     # learner process trains 150 more steps (about 25 s of the tiny model's), so that its
     # memory is measured past its warm-up (with 60 steps and a 25 s warm-up, one run on
     # 2026-12-05 ended before it).

@@ -275,7 +275,7 @@ def generator_keys() -> dict:
         stage=True,
         # Deadlines (seconds) of the calls to a replica; one that misses one is treated as
         # dead (its prompts fail over to the others). generate_timeout_s 0 = per call:
-        # 30 s + rows x max_tokens / 50 (jaxrlhf.rl.pool.Timeouts).
+        # 30 s + rows x max_tokens / 50 (jaxrlhf.fleet.pool.Timeouts).
         generate_timeout_s=0.0,
         update_timeout_s=600.0,
         status_timeout_s=5.0,

@@ -79,8 +79,8 @@ class SharedServices:
         self.starts = 0
 
     def address(self, overrides: dict[str, Any]) -> str:
+        from jaxrlhf.fleet.service import engine_args, start_server
         from jaxrlhf.models.paths import resolve_model
-        from jaxrlhf.rl.service import engine_args, start_server
 
         config = load_config(self.config_file, overrides)
         gen = config.generator

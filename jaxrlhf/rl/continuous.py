@@ -48,12 +48,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxrlhf.rl.pool import GeneratorError, GeneratorPool
+from jaxrlhf.fleet.pool import GeneratorError, GeneratorPool
+from jaxrlhf.fleet.sample import Sample
 from jaxrlhf.rl.rollout import (
     ProducerBase,
     PromptItem,
     Rollout,
-    Sample,
     StaleSampleError,
     check_within_bound,
 )

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from jaxrlhf.distributed import broadcast, is_driver
+from jaxrlhf.fleet.pool import GeneratorPool
 from jaxrlhf.rl.eval_cache import EvaluationCache, folder_digest
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.metrics import MetricsWriter
-from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.publisher import Publisher
 from jaxrlhf.rl.rollout import PromptItem
 from jaxrlhf.rl.tasks import Task

@@ -22,12 +22,13 @@ import optax
 from jaxrlhf import losses
 from jaxrlhf.config import model_options
 from jaxrlhf.distributed import shard_global, to_host
+from jaxrlhf.fleet.sample import Sample
 from jaxrlhf.losses import LossInputs
 from jaxrlhf.models import load_pretrained, next_token_logprobs
 from jaxrlhf.rl.batch import RolloutArrays, prompt_width, rollout_arrays
 from jaxrlhf.rl.objectives import build_objective, value_estimates
 from jaxrlhf.rl.rewards import apply_eos_penalty
-from jaxrlhf.rl.rollout import Rollout, Sample
+from jaxrlhf.rl.rollout import Rollout
 from jaxrlhf.rl.tasks import Task
 from jaxrlhf.sharding import activate
 from jaxrlhf.train_state import (

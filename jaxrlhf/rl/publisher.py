@@ -43,11 +43,11 @@ from typing import Any
 import jax
 
 from jaxrlhf.distributed import broadcast, driven_plans, driven_streams
+from jaxrlhf.fleet.pool import GeneratorPool
+from jaxrlhf.fleet.transport import PublishStats, WeightTransport
+from jaxrlhf.fleet.transport.senders import FollowerSenders
 from jaxrlhf.models import hf_tensor_specs, iter_hf_slices, iter_hf_tensors, slice_plan
 from jaxrlhf.rl.learner import Learner
-from jaxrlhf.rl.pool import GeneratorPool
-from jaxrlhf.rl.transport import PublishStats, WeightTransport
-from jaxrlhf.rl.transport.senders import FollowerSenders
 
 REJOIN_POLL_SECONDS = 1.0
 
@@ -104,7 +104,7 @@ _FOLLOWER = FollowerSenders()  # a process other than the driver: its clients, k
 
 def publish_sliced(model, params, dtype: str | None, plan, job: PublishJob):
     """Every process sends (streams, or writes into the shared file) the slices its devices
-    own (`jaxrlhf.rl.transport.senders`): the driver's pool runs the attempts and announces
+    own (`jaxrlhf.fleet.transport.senders`): the driver's pool runs the attempts and announces
     each; the others follow it. No gather."""
 
     def slices():

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrlhf.rl.pool import GeneratorPool
+from jaxrlhf.fleet.pool import GeneratorPool
 from jaxrlhf.rl.rollout import Rollout
 
 

@@ -34,12 +34,12 @@ import numpy as np
 from jaxrlhf.checkpointing import Checkpointer
 from jaxrlhf.data.lengths import parse_length_law
 from jaxrlhf.distributed import broadcast, is_driver
+from jaxrlhf.fleet.pool import GeneratorPool
 from jaxrlhf.models import save_pretrained
 from jaxrlhf.rl.continuous import ContinuousProducer
 from jaxrlhf.rl.evaluator import Evaluator
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.metrics import MetricsWriter
-from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.publisher import Publisher
 from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer
 from jaxrlhf.rl.step_metrics import FleetWatch, samples_returned, staleness_metrics
@@ -146,7 +146,7 @@ def begin(cfg, learner: Learner, pool, model_path: Path, checkpointer, log) -> R
         # `pending` or, generated again, run on the checkpoint's (within the staleness bound).
         # A replica that misses this rollback (down meanwhile) keeps the killed run's weights;
         # when it answers again its version is not trusted: it rejoins with the learner's
-        # weights, rollback allowed, before it serves (`jaxrlhf.rl.delivery`).
+        # weights, rollback allowed, before it serves (`jaxrlhf.fleet.delivery`).
         publisher = Publisher(learner, pool, dtype, meta["base_version"], version, served)
         publisher.send(rollback=True)
         log(f"resumed from step {meta['step']} (policy version {version})")

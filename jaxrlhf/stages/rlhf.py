@@ -11,9 +11,9 @@ from pathlib import Path
 
 from jaxrlhf.config import model_options
 from jaxrlhf.distributed import is_driver
+from jaxrlhf.fleet.pool import GeneratorPool, Timeouts
+from jaxrlhf.fleet.service import engine_args, start_server
 from jaxrlhf.models.paths import resolve_model
-from jaxrlhf.rl.pool import GeneratorPool, Timeouts
-from jaxrlhf.rl.service import engine_args, start_server
 from jaxrlhf.rl.tasks import build_task
 from jaxrlhf.rl.trainer import build_learner, run_rlhf
 from jaxrlhf.stages.provenance import write_summary

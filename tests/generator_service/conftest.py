@@ -84,7 +84,7 @@ def generator_server(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope=PACKAGE)
 def client(generator_server):
-    from jaxrlhf.rpc import GeneratorClient
+    from jaxrlhf.fleet.rpc import GeneratorClient
 
     with GeneratorClient(generator_server.address) as generator_client:
         generator_client.wait_until_serving(timeout=60)

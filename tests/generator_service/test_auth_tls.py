@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxrlhf.rpc import GeneratorClient
+from jaxrlhf.fleet.rpc import GeneratorClient
 from tests.generator_service.wire import chunk_messages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -221,16 +221,16 @@ def test_both_sides_share_one_contract():
     import generator_service.auth
     import generator_service.server
     import generator_service.weights
-    import jaxrlhf.rpc.client
-    import jaxrlhf.rpc.shared
+    import jaxrlhf.fleet.rpc.client
+    import jaxrlhf.fleet.rpc.weights_file
     import jaxrlhf_wire
     import jaxrlhf_wire.chunks
     import jaxrlhf_wire.files
     import jaxrlhf_wire.stubs
 
     assert generator_service.server.generator_pb2 is jaxrlhf_wire.stubs.generator_pb2
-    assert jaxrlhf.rpc.client.generator_pb2 is jaxrlhf_wire.stubs.generator_pb2
-    assert generator_service.server.CHANNEL_OPTIONS is jaxrlhf.rpc.client.CHANNEL_OPTIONS
-    assert generator_service.weights.STAGING_ALIGNMENT == jaxrlhf.rpc.shared.ALIGNMENT
-    assert generator_service.auth.AUTH_HEADER == jaxrlhf.rpc.client.AUTH_HEADER
+    assert jaxrlhf.fleet.rpc.client.generator_pb2 is jaxrlhf_wire.stubs.generator_pb2
+    assert generator_service.server.CHANNEL_OPTIONS is jaxrlhf.fleet.rpc.client.CHANNEL_OPTIONS
+    assert generator_service.weights.STAGING_ALIGNMENT == jaxrlhf.fleet.rpc.weights_file.ALIGNMENT
+    assert generator_service.auth.AUTH_HEADER == jaxrlhf.fleet.rpc.client.AUTH_HEADER
     assert jaxrlhf_wire.READY_LINE == "GENERATOR_SERVICE_READY"

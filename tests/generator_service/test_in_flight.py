@@ -74,7 +74,7 @@ class Server:
 def in_flight(request, tiny_llama, tmp_path_factory, start_generator_server):
     from safetensors.numpy import load_file
 
-    from jaxrlhf.rpc import GeneratorClient
+    from jaxrlhf.fleet.rpc import GeneratorClient
 
     kv, stage = request.param
     folder = tmp_path_factory.mktemp(f"in-flight-{kv}")
@@ -415,7 +415,7 @@ def test_a_two_sender_update_cancelled_mid_swap_is_answered_live_to_both(in_flig
 def test_a_shared_update_cancelled_mid_swap_completes_under_its_id(in_flight, reference):
     """As above, through a shared file: the learner's deadline passes while the engine is
     paused with the new weights loaded; the swap completes, and the status names the update."""
-    from jaxrlhf.rpc.shared import SharedWeightsFile
+    from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     old_version = in_flight.version
     new = perturbed(in_flight.tensors, seed=23)

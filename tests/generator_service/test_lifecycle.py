@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from generator_service.reaper import descendants
-from jaxrlhf.rl.service import start_server
+from jaxrlhf.fleet.service import start_server
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -26,7 +26,7 @@ def recording_replica(tiny_llama):
 
 
 def make_pool(*targets, retries=5, backoff_seconds=1.0):
-    from jaxrlhf.rl.pool import GeneratorPool
+    from jaxrlhf.fleet.pool import GeneratorPool
 
     return GeneratorPool(
         list(targets), retries=retries, backoff_seconds=backoff_seconds, chunk_bytes=CHUNK_BYTES
@@ -87,7 +87,7 @@ def test_a_replica_dying_mid_stream_is_failed_by_name_while_the_others_swap(clie
 
 
 def test_a_publish_that_no_replica_takes_is_an_error():
-    from jaxrlhf.rl.pool import GeneratorError
+    from jaxrlhf.fleet.pool import GeneratorError
 
     dying = DyingReplica(after=2)
     pool = make_pool(dying.address, retries=1, backoff_seconds=0.1)

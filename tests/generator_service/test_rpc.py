@@ -1,4 +1,4 @@
-"""The wire contract (jaxrlhf_wire) and the learner's client package (jaxrlhf.rpc): generated
+"""The wire contract (jaxrlhf_wire) and the learner's client package (jaxrlhf.fleet.rpc): generated
 stubs, light imports, weight chunking, the CLI guard."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_contract_names():
 
 def test_rpc_package_imports_neither_vllm_nor_jax_nor_torch():
     code = (
-        "import sys, jaxrlhf.rpc;"
+        "import sys, jaxrlhf.fleet.rpc;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'jax', 'torch')))"
     )
     result = subprocess.run(

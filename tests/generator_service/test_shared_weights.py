@@ -123,7 +123,7 @@ def test_the_learners_file_is_what_the_worker_maps(tmp_path):
     import torch
 
     from generator_service.worker_extension import map_staged_tensors
-    from jaxrlhf.rpc.shared import SharedWeightsFile
+    from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     rng = np.random.default_rng(0)
     kernel = rng.normal(size=(5, 3)).astype(np.float32)  # written transposed: a strided view
@@ -150,7 +150,7 @@ def test_the_learners_file_is_what_the_worker_maps(tmp_path):
 
 
 def test_forcing_the_shared_file_for_a_remote_generator_fails_clearly():
-    from jaxrlhf.rl.pool import GeneratorError, GeneratorPool
+    from jaxrlhf.fleet.pool import GeneratorError, GeneratorPool
 
     pool = GeneratorPool(["10.255.0.1:50051"], transport="shared")
     try:
@@ -166,7 +166,7 @@ def test_forcing_the_shared_file_for_a_remote_generator_fails_clearly():
 
 
 def _shared_file(client, tensors):
-    from jaxrlhf.rpc.shared import SharedWeightsFile
+    from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     folder = client.status().shared_weights_dir
     assert folder and os.path.isdir(folder)
@@ -265,7 +265,7 @@ def test_bad_shared_update_changes_nothing(client, served, case, tmp_path):
 def test_pool_picks_the_shared_file_for_a_local_server_and_streams_when_told(
     client, served, reference
 ):
-    from jaxrlhf.rl.pool import GeneratorPool
+    from jaxrlhf.fleet.pool import GeneratorPool
     from tests.generator_service.test_update_weights import greedy, perturbed
 
     specs = [(name, value.shape, value.dtype) for name, value in served.tensors.items()]
@@ -276,7 +276,7 @@ def test_pool_picks_the_shared_file_for_a_local_server_and_streams_when_told(
             version = served.policy_version + 1
             pool.publish_weights(lambda n=new: iter(n.items()), len(new), version, specs=specs)
             served.record(version, new)
-            chosen = pool.delivery._transport
+            chosen = pool.delivery.transport
             assert chosen.name == ("shared" if transport == "auto" else "stream")
             shared_file = getattr(chosen, "_file", None)
             shared_path = shared_file.path if shared_file is not None else None
@@ -318,7 +318,7 @@ def _progressive(client, tensors, version, write):
     call's response or error, the status read 0.6 s after the request)."""
     import concurrent.futures
 
-    from jaxrlhf.rpc.shared import SharedWeightsFile
+    from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     folder = client.status().shared_weights_dir
     specs = [(n, v.shape, v.dtype) for n, v in tensors.items()]
@@ -398,8 +398,8 @@ def test_a_count_caught_half_stored_is_waited_for_not_taken(first_byte):
     import fcntl
 
     from generator_service.weights import TensorSpec
-    from jaxrlhf.rpc import GeneratorClient
-    from jaxrlhf.rpc.shared import SharedWeightsFile
+    from jaxrlhf.fleet.rpc import GeneratorClient
+    from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
     from jaxrlhf_wire.files import PROGRESS_BYTES
     from tests.generator_service.replicas import RecordingReplica
 

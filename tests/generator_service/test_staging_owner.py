@@ -27,7 +27,7 @@ if kind == "staging":
     from generator_service.staging_file import StagingFile
     made = StagingFile(folder)
 else:
-    from jaxrlhf.rpc.shared import SharedWeightsFile
+    from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
     made = SharedWeightsFile(folder, [("w", (1024,), "float32")])
 print(made.path, flush=True)
 sys.stdin.read()
@@ -39,7 +39,7 @@ def _prefix(kind: str) -> str:
         from generator_service.staging_file import StagingFile
 
         return StagingFile.PREFIX
-    from jaxrlhf.rpc.shared import PREFIX
+    from jaxrlhf.fleet.rpc.weights_file import PREFIX
 
     return PREFIX
 
@@ -77,6 +77,6 @@ def _make(kind: str, folder: Path):
         from generator_service.staging_file import StagingFile
 
         return StagingFile(str(folder))
-    from jaxrlhf.rpc.shared import SharedWeightsFile
+    from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     return SharedWeightsFile(str(folder), [("w", (1024,), "float32")])

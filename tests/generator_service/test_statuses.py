@@ -54,7 +54,7 @@ def replica():
 
 @pytest.fixture
 def client(replica):
-    from jaxrlhf.rpc import GeneratorClient
+    from jaxrlhf.fleet.rpc import GeneratorClient
 
     with GeneratorClient(replica.address) as client:
         yield client
@@ -115,7 +115,7 @@ def test_senders_that_never_come_are_a_transient_refusal(client, replica):
 
 
 def test_a_progressive_count_that_stands_still_is_a_transient_refusal(client, replica):
-    from jaxrlhf.rpc.shared import SharedWeightsFile
+    from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     specs = [(name, value.shape, value.dtype) for name, value in TENSORS.items()]
     with SharedWeightsFile(replica.engine.staging_dir, specs) as shared:
@@ -153,7 +153,7 @@ def test_an_unexpected_failure_answers_every_sender_alike_without_internals(
 
 
 def _shared_update(client, replica, version: int, update_id: str):
-    from jaxrlhf.rpc.shared import SharedWeightsFile
+    from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     specs = [(name, value.shape, value.dtype) for name, value in TENSORS.items()]
     with SharedWeightsFile(replica.engine.staging_dir, specs) as shared:

@@ -1,6 +1,6 @@
 """A policy whose log-probs are a table, and a small hand-made rollout, for the loss tests.
 
-`tests/rl/test_objectives.py` (exact values and gradients) and `tests/losses/test_registry.py`
+`tests/losses/test_objectives.py` (exact values and gradients) and `tests/losses/test_registry.py`
 (every entry runs) feed the registry's losses through `TableModel` instead of a Transformer:
 log π_θ(y_t) = θ[y_t] and V(s_t) = w[x_t], so a loss and its gradient have closed forms that
 a test can write out in numpy.

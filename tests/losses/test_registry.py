@@ -3,7 +3,7 @@ the IPO entry, and that every entry's prepare + loss runs.
 
 A trainer decides from these fields which forwards to run (reference, value model, learner
 recompute) and which configs to refuse, so a wrong flag silently changes what a run trains.
-Exact values and gradients of each loss are tested in tests/rl/test_objectives.py.
+Exact values and gradients of each loss are tested in tests/losses/test_objectives.py.
 """
 
 import dataclasses

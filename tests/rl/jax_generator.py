@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.fleet.sample import Sample
+from jaxrlhf.fleet.transport import PublishStats
 from jaxrlhf.models import load_pretrained, params_from_hf
-from jaxrlhf.rl.rollout import Sample
-from jaxrlhf.rl.transport import PublishStats
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))

@@ -7,8 +7,9 @@ import ml_collections
 import numpy as np
 import pytest
 
+from jaxrlhf.fleet.sample import Sample
 from jaxrlhf.rl.batch import prompt_width, rollout_arrays
-from jaxrlhf.rl.rollout import PromptItem, Rollout, Sample
+from jaxrlhf.rl.rollout import PromptItem, Rollout
 
 PAD = 0
 

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
+from jaxrlhf.fleet.pool import GeneratorPool
 from jaxrlhf.rl.continuous import ContinuousProducer
-from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.rollout import PromptItem, check_complete
 from tests.generator_service.replicas import FakeGenerator
 from tests.rl.test_rollout import WAIT_S
@@ -65,7 +65,7 @@ def serve(pool: GeneratorPool, producer, replicas, version: int) -> None:
     for fake in replicas:
         fake.version = version
     for replica in pool.replicas:
-        pool._join(replica, version)
+        pool.lifecycle.join(replica, version)
     producer.weights_served(version)
 
 

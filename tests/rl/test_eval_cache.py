@@ -11,10 +11,10 @@ import pytest
 import transformers
 from safetensors.numpy import load_file, save_file
 
+from jaxrlhf.fleet.pool import GeneratorPool
 from jaxrlhf.rl.eval_cache import EvaluationCache, folder_digest
 from jaxrlhf.rl.evaluator import evaluate_greedy, greedy_sampling, start_evaluation_cache
 from jaxrlhf.rl.metrics import MetricsWriter
-from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.trainer import run_rlhf
 from tests.rl.jax_generator import JaxGenerator
 from tests.rl.test_learning import learning_config, target_task

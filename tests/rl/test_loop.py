@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from configs.tiny import get_config as tiny_config
+from jaxrlhf.fleet.pool import GeneratorPool
 from jaxrlhf.losses import get_loss_spec
-from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.tasks import build_task
 from jaxrlhf.rl.trainer import run_rlhf
 

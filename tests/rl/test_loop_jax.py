@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import transformers
 
-from jaxrlhf.rl.rollout import Sample
+from jaxrlhf.fleet.sample import Sample
 from jaxrlhf.rl.trainer import run_rlhf
 from tests.rl.exact import assert_same_state, checkpoint_steps, records
 from tests.rl.jax_generator import JaxGenerator

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import pytest
 
 from configs.tiny import get_config
+from jaxrlhf.fleet.sample import Sample
 from jaxrlhf.rl import publisher as publisher_module
 from jaxrlhf.rl import trainer
-from jaxrlhf.rl.rollout import PromptItem, Sample
+from jaxrlhf.rl.rollout import PromptItem
 from jaxrlhf.rl.tasks import Task
 
 STEPS = 1500

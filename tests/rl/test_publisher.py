@@ -13,9 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxrlhf.fleet.transport import PublishStats
 from jaxrlhf.rl import publisher as publisher_module
 from jaxrlhf.rl.publisher import Publisher
-from jaxrlhf.rl.transport import PublishStats
 
 
 class Producer:

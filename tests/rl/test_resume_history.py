@@ -16,10 +16,11 @@ import pytest
 import transformers
 
 from jaxrlhf.checkpointing import Checkpointer
+from jaxrlhf.fleet.pool import GeneratorPool
+from jaxrlhf.fleet.sample import Sample
 from jaxrlhf.rl.learner import Learner
-from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.publisher import Publisher
-from jaxrlhf.rl.rollout import PromptItem, Rollout, Sample
+from jaxrlhf.rl.rollout import PromptItem, Rollout
 from jaxrlhf.rl.trainer import begin, make_producer, next_batch
 from jaxrlhf.sharding import make_mesh
 from tests.generator_service.replicas import FakeGenerator

@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer, Sample
+from jaxrlhf.fleet.sample import Sample
+from jaxrlhf.rl.rollout import PromptItem, Rollout, RolloutProducer
 from jaxrlhf.rl.step_metrics import samples_returned
 
 N = 2  # samples per prompt

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from jaxrlhf.rl.service import StartCancelled, start_server
+from jaxrlhf.fleet.service import StartCancelled, start_server
 from jaxrlhf.stages import rlhf
 from tests.conftest import tiny_model
 

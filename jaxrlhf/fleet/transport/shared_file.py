@@ -1,8 +1,9 @@
 """Weights through a file in the replicas' shared memory folder (UpdateWeightsShared), same host.
 
-The learner writes every tensor once into a `SharedWeightsFile` (`jaxrlhf.rpc.shared`) in the
-folder the replicas map from (`GeneratorStatus.shared_weights_dir`, normally /dev/shm) and each
-replica is sent only where the tensors lie: no weight byte crosses a socket. The file holds one
+The learner writes every tensor once into a `SharedWeightsFile`
+(`jaxrlhf.fleet.rpc.weights_file`) in the folder the replicas map from
+(`GeneratorStatus.shared_weights_dir`, normally /dev/shm) and each replica is sent only where
+the tensors lie: no weight byte crosses a socket. The file holds one
 version: a later attempt for the same version (a retry, a replica rejoining) is sent the same
 file without converting anything again.
 
@@ -20,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport, WeightUpdate
-from jaxrlhf.rl.transport.stream import collect
-from jaxrlhf.rpc.client import GeneratorClient
-from jaxrlhf.rpc.shared import SharedWeightsFile
+from jaxrlhf.fleet.rpc.client import GeneratorClient
+from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
+from jaxrlhf.fleet.transport.base import Outcome, TensorStream, WeightTransport, WeightUpdate
+from jaxrlhf.fleet.transport.stream import collect
 
 
 class SharedFileTransport(WeightTransport):

@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxrlhf.rl.transport import StreamTransport, WeightUpdate
-from jaxrlhf.rpc import GeneratorClient
-from tests.rl.weight_receivers import WeightReceivers
+from jaxrlhf.fleet.rpc import GeneratorClient
+from jaxrlhf.fleet.transport import StreamTransport, WeightUpdate
+from tests.fleet.weight_receivers import WeightReceivers
 
 # Many more chunks than a replica's feed holds ahead (4), so that every call must keep reading.
 CHUNK_BYTES = 1024

@@ -17,10 +17,11 @@ import time
 import numpy as np
 import pytest
 
-from jaxrlhf.rl.lifecycle import FAILED, REJOINING, Lifecycle, Replica
-from jaxrlhf.rl.pool import GeneratorError, GeneratorPool
-from jaxrlhf.rl.rollout import Sample, check_complete
-from jaxrlhf.rpc.client import GeneratorClient
+from jaxrlhf.fleet.lifecycle import FAILED, REJOINING, Lifecycle, Replica
+from jaxrlhf.fleet.pool import GeneratorError, GeneratorPool
+from jaxrlhf.fleet.rpc.client import GeneratorClient
+from jaxrlhf.fleet.sample import Sample
+from jaxrlhf.rl.rollout import check_complete
 from tests.generator_service.replicas import FakeGenerator, RecordingReplica
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,13 +1,13 @@
 """The learner's side of the generator replicas: Generate fanned out with failover, weights
 published through a transport. Each replica is live, failed or rejoining; failed replicas are
-probed, restarted and brought back by their lifecycle (`jaxrlhf.rl.lifecycle`).
+probed, restarted and brought back by their lifecycle (`jaxrlhf.fleet.lifecycle`).
 
 Generate (`generate`) splits the prompts over the live replicas; a call that fails hands its
 unfinished prompts to the replicas still live (or, when none is, to the first that rejoins):
 completions of prompts the failed replica finished are kept, a prompt it left unfinished is
 regenerated whole (its partial samples dropped), so a batch comes back with exactly its prompts
 x n samples, never a duplicate. Publishing (`publish_weights`) goes to every live and rejoining
-replica through the transport (`jaxrlhf.rl.transport`); a replica that cannot take it is marked
+replica through the transport (`jaxrlhf.fleet.transport`); a replica that cannot take it is marked
 failed and the others go on. A publish that no replica takes is an error unless a failed
 replica can still come back (it answers, or the run restarts it): it then gets the weights
 when it rejoins, and `generate` waits for it at most `no_replica_timeout`. A replica refusing an
@@ -28,15 +28,15 @@ from typing import Any
 
 import grpc
 
-from jaxrlhf.rl.delivery import WeightDelivery
-from jaxrlhf.rl.failures import REPLICA_DOWN, GeneratorError, describe
-from jaxrlhf.rl.lifecycle import LIVE, REJOINING, Lifecycle, Replica
-from jaxrlhf.rl.rollout import Sample
-from jaxrlhf.rl.transport import (
+from jaxrlhf.fleet.delivery import DeliverySettings, WeightDelivery
+from jaxrlhf.fleet.failures import REPLICA_DOWN, GeneratorError, describe
+from jaxrlhf.fleet.lifecycle import LIVE, REJOINING, Lifecycle, Replica
+from jaxrlhf.fleet.rpc import generator_pb2
+from jaxrlhf.fleet.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient
+from jaxrlhf.fleet.sample import Sample
+from jaxrlhf.fleet.transport import (
     TRANSPORTS,
 )
-from jaxrlhf.rpc import generator_pb2
-from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +119,16 @@ class GeneratorPool:
         self._cond = threading.Condition()
         self._calls = concurrent.futures.ThreadPoolExecutor(max_workers=4 * len(targets) + 4)
         self._closed = threading.Event()
-        self.delivery = WeightDelivery(self)
-        # Publishing is the delivery's (`WeightDelivery.publish`, `.sender_transport`).
-        self.publish_weights = self.delivery.publish
-        self.sender_transport = self.delivery.sender_transport
         self.lifecycle = Lifecycle(self.replicas, self._cond, self.counters, self._client,
                                    timeouts.status, probe_interval, restart, max_restarts,
                                    self.log)  # fmt: skip
+        self.delivery = WeightDelivery(self.lifecycle, DeliverySettings(
+            chunk_bytes, transport, retries, backoff_seconds, timeouts.update, timeouts.status,
+            self._credentials,
+        ), self.log)  # fmt: skip
+        # Publishing is the delivery's (`WeightDelivery.publish`, `.sender_transport`).
+        self.publish_weights = self.delivery.publish
+        self.sender_transport = self.delivery.sender_transport
 
     def _client(self, target: str) -> GeneratorClient:
         return GeneratorClient(target, *self._credentials, options=RECONNECT_OPTIONS)
@@ -401,9 +404,6 @@ class GeneratorPool:
         return samples, None
 
     # --- weights -----------------------------------------------------------------------------
-
-    def _join(self, replica: Replica, version: int) -> None:
-        self.lifecycle.join(replica, version)
 
     def close(self) -> None:
         self._closed.set()

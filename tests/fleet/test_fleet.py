@@ -34,9 +34,9 @@ import time
 import pytest
 
 from generator_service.reaper import descendants
-from jaxrlhf.rl.service import start_server
+from jaxrlhf.fleet.rpc import GeneratorClient
+from jaxrlhf.fleet.service import start_server
 from jaxrlhf.rl.trainer import prompts_for_batch_fn
-from jaxrlhf.rpc import GeneratorClient
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

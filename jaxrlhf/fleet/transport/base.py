@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from jaxrlhf.rpc import GeneratorClient, generator_pb2
+from jaxrlhf.fleet.rpc import GeneratorClient, generator_pb2
 
 # "auto": the shared file when every replica is on this host, else streamed chunks.
 TRANSPORTS = ("auto", "stream", "shared")

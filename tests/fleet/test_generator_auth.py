@@ -12,7 +12,7 @@ import pytest
 
 from jaxrlhf.config import base_config
 from jaxrlhf.stages.rlhf import generator_pool
-from tests.rl.weight_receivers import WeightReceivers
+from tests.fleet.weight_receivers import WeightReceivers
 
 TOKEN = "fleet-secret-for-tests"
 DEFAULT_ENV = "JAXRLHF_GENERATOR_AUTH_TOKEN"

@@ -1,5 +1,5 @@
 """The learner's client of the generator service (`client`) and its same-host weight files
-(`shared`).
+(`weights_file`).
 
 The wire contract itself (the gRPC stubs, built at install time, the chunk encoder, dtypes,
 alignment, the loopback rule) lives in `jaxrlhf_wire`, which the service imports too; the names
@@ -9,7 +9,7 @@ stay light: the learner imports it, so no vLLM, no JAX, no torch.
 
 from __future__ import annotations
 
-from jaxrlhf.rpc.client import GeneratorClient, auth_metadata
+from jaxrlhf.fleet.rpc.client import GeneratorClient, auth_metadata
 
 # These live in jaxrlhf_wire (the contract both sides import); re-exported here.
 from jaxrlhf_wire.chunks import encode_weight_chunks

@@ -17,8 +17,8 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport, WeightUpdate
-from jaxrlhf.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient, encode_weight_chunks
+from jaxrlhf.fleet.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient, encode_weight_chunks
+from jaxrlhf.fleet.transport.base import Outcome, TensorStream, WeightTransport, WeightUpdate
 
 # Chunks queued ahead of each replica's stream. The feeds hold the same chunk objects, so the
 # host holds at most this many chunks (plus one in the hands of each call, and the tensor being
@@ -116,7 +116,8 @@ class StreamTransport(WeightTransport):
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, num_senders: int = 0,
                  sender: int = 0) -> None:  # fmt: skip
         self.chunk_bytes = chunk_bytes
-        # One of several streams of each update (`jaxrlhf.rl.transport.senders`); 0: the only one.
+        # One of several streams of each update (`jaxrlhf.fleet.transport.senders`); 0: the
+        # only one.
         self.num_senders, self.sender = num_senders, sender
 
     def send(self, clients, tensor_stream: TensorStream, update: WeightUpdate,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from generator_service import failpoints
-from jaxrlhf.rl.pool import GeneratorPool
+from jaxrlhf.fleet.pool import GeneratorPool
 from tests.generator_service.replicas import RecordingReplica
 
 pytestmark = pytest.mark.timeout(120)

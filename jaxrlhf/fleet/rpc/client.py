@@ -135,7 +135,7 @@ class GeneratorClient:
         self, request: generator_pb2.SharedWeights, timeout: float | None = None
     ) -> generator_pb2.UpdateWeightsResponse:
         """UpdateWeightsShared: swaps in the tensors the request points at in a shared file
-        (see `jaxrlhf.rpc.shared`); the server must run on this host."""
+        (see `jaxrlhf.fleet.rpc.weights_file`); the server must run on this host."""
         return self.stub.UpdateWeightsShared(request, timeout=timeout, metadata=self.metadata)
 
     def status(self, timeout: float | None = None) -> generator_pb2.GeneratorStatus:

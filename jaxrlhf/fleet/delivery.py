@@ -1,7 +1,7 @@
 """How a version of the weights reaches the generator replicas: through a transport
-(`jaxrlhf.rl.transport`: streamed chunks, or the same-host shared file), to every live and
+(`jaxrlhf.fleet.transport`: streamed chunks, or the same-host shared file), to every live and
 rejoining replica, with retries and the meaning of each failure. The pool
-(`jaxrlhf.rl.pool.GeneratorPool`) owns the replicas and their lifecycle; this is its publishing.
+(`jaxrlhf.fleet.pool.GeneratorPool`) owns the replicas and their lifecycle; this is its publishing.
 
 - A replica that takes the update is live at its version; a live replica known to serve that
   very version already (the pool saw it take it) gets nothing, except in a rollback (there the
@@ -28,17 +28,17 @@ from typing import Any
 
 import grpc
 
-from jaxrlhf.rl.failures import REPLICA_DOWN, GeneratorError, describe
-from jaxrlhf.rl.lifecycle import LIVE, REJOINING, Replica
-from jaxrlhf.rl.transport import (
+from jaxrlhf.fleet.failures import REPLICA_DOWN, GeneratorError, describe
+from jaxrlhf.fleet.lifecycle import LIVE, REJOINING, Lifecycle, Replica
+from jaxrlhf.fleet.rpc import generator_pb2
+from jaxrlhf.fleet.transport import (
     PublishStats,
     SharedFileTransport,
     StreamTransport,
     WeightTransport,
     WeightUpdate,
 )
-from jaxrlhf.rl.transport.senders import DriverSenders, SharedSenders
-from jaxrlhf.rpc import generator_pb2
+from jaxrlhf.fleet.transport.senders import DriverSenders, SharedSenders
 from jaxrlhf_wire.hosts import is_local_target
 
 
@@ -58,12 +58,31 @@ class _Delivery:
         self.failures.pop(target, None)
 
 
+@dataclasses.dataclass(frozen=True)
+class DeliverySettings:
+    """The pool's settings its publishing reads: the chunk size of streamed updates, the
+    transport ("auto", "stream" or "shared"), retries of an UNAVAILABLE attempt and the first
+    back-off between them, the deadlines of an update and of GetStatus, and the credentials
+    (auth token, root certificates) the senders of a multi-process learner connect with."""
+
+    chunk_bytes: int
+    transport: str
+    retries: int
+    backoff_seconds: float
+    update_timeout: float
+    status_timeout: float
+    credentials: tuple[str | None, bytes | None]
+
+
 class WeightDelivery:
     """The pool's publishing (module docstring): `publish` one version, `sender_transport` for
-    the senders of a multi-process learner, `close` the transport."""
+    the senders of a multi-process learner, `close` the transport. It sees the replicas only
+    through their `Lifecycle` (which are live or rejoining, failing one, joining one at a
+    version, counting retries): the pool's interface to it."""
 
-    def __init__(self, pool):
-        self.pool = pool  # its GeneratorPool (replicas, lifecycle, settings, log)
+    def __init__(self, lifecycle: Lifecycle, settings: DeliverySettings,
+                 log: Callable[[str], None]):  # fmt: skip
+        self.lifecycle, self.settings, self.log = lifecycle, settings, log
         self._transport: WeightTransport | None = None
 
     def publish(
@@ -88,7 +107,11 @@ class WeightDelivery:
         Raises GeneratorError when no replica took it and none can come back (module
         docstring), or one refused it as malformed."""
         started = time.perf_counter()
-        targets = self.pool._in(REJOINING) if rejoining_only else self.pool._in(LIVE, REJOINING)
+        targets = (
+            self.lifecycle.in_states(REJOINING)
+            if rejoining_only
+            else self.lifecycle.in_states(LIVE, REJOINING)
+        )
         # Only a live replica's version is the pool's own knowledge (it saw the replica take
         # it): one known to serve this very version needs nothing, except in a rollback (there
         # the number may name another run's weights). A rejoining replica's version is what it
@@ -132,8 +155,8 @@ class WeightDelivery:
         - any other refusal is a defect and raised (GeneratorError); any other failure
           (replica down, hung, or a stalled update answered ABORTED) marks it failed, and its
           lifecycle brings it back."""
-        delay = self.pool.backoff_seconds
-        for attempt in range(1, self.pool.retries + 2):
+        delay = self.settings.backoff_seconds
+        for attempt in range(1, self.settings.retries + 2):
             if attempt > 1:  # an attempt whose answer was lost may have been applied
                 pending = [r for r in pending if not self._took(r, update, delivery)]
                 if not pending:
@@ -141,13 +164,13 @@ class WeightDelivery:
             delivery.attempts = attempt
             by_client = {r.client: r for r in pending}
             outcomes = transport.send(list(by_client), tensor_stream, update,
-                                      self.pool.timeouts.update)  # fmt: skip
+                                      self.settings.update_timeout)  # fmt: skip
             pending = []
             for client, outcome in outcomes.items():
                 replica = by_client[client]
                 if not isinstance(outcome, grpc.RpcError):
                     delivery.took(replica.target, outcome)
-                    self.pool._join(replica, update.policy_version)
+                    self.lifecycle.join(replica, update.policy_version)
                 elif (attempt > 1 and outcome.code() not in REPLICA_DOWN
                       and self._took(replica, update, delivery)):  # fmt: skip
                     pass  # a retry refused (not newer): the lost attempt was applied
@@ -159,38 +182,37 @@ class WeightDelivery:
                     if outcome.code() == grpc.StatusCode.UNAVAILABLE:
                         pending.append(replica)  # maybe a blip: once more
                     else:
-                        self.pool._fail(replica, delivery.failures[replica.target])
-            if not pending or attempt > self.pool.retries:
+                        self.lifecycle.fail(replica, delivery.failures[replica.target])
+            if not pending or attempt > self.settings.retries:
                 break
-            with self.pool._cond:
-                self.pool.counters["publish_retries"] += len(pending)
+            self.lifecycle.count("publish_retries", len(pending))
             again = ", ".join(r.target for r in pending)
-            self.pool.log(f"weight update {update.policy_version} ended UNAVAILABLE at {again}: "
+            self.log(f"weight update {update.policy_version} ended UNAVAILABLE at {again}: "
                      "sending it once more")  # fmt: skip
             time.sleep(delay)
             delay = min(delay * 2, 30.0)
         for replica in pending:
             if not self._took(replica, update, delivery):
-                self.pool._fail(replica, delivery.failures[replica.target])
+                self.lifecycle.fail(replica, delivery.failures[replica.target])
 
     def _took(self, replica: Replica, update: WeightUpdate, delivery: _Delivery) -> bool:
         """Whether `replica` serves this very update (GeneratorStatus.update_id): an attempt
         whose answer was lost was applied. If so it is live at the update's version, and its
         answer (built from its status) is recorded in `delivery`."""
         try:
-            status = replica.client.status(timeout=self.pool.timeouts.status)
+            status = replica.client.status(timeout=self.settings.status_timeout)
         except grpc.RpcError:
             return False
         if not (status.serving and status.policy_version == update.policy_version
                 and status.update_id == update.update_id):  # fmt: skip
             return False
-        self.pool.log(f"generator {replica.target} already serves weight update "
+        self.log(f"generator {replica.target} already serves weight update "
                  f"{update.policy_version} (an attempt whose answer was lost)")  # fmt: skip
         delivery.took(replica.target, generator_pb2.UpdateWeightsResponse(
             policy_version=update.policy_version, num_tensors=update.num_tensors,
             pause_seconds=status.pause_seconds, stage_seconds=status.stage_seconds,
         ))  # fmt: skip
-        self.pool._join(replica, update.policy_version)
+        self.lifecycle.join(replica, update.policy_version)
         return True
 
     def _none_took(self, policy_version: int, count: int, failures: dict[str, str]) -> None:
@@ -200,22 +222,26 @@ class WeightDelivery:
             f"weight update {policy_version} reached none of {count} generator(s): "
             + "; ".join(failures.values())
         )
-        if not self.pool.lifecycle.may_come_back():
+        if not self.lifecycle.may_come_back():
             raise GeneratorError(message)
-        self.pool.log(f"{message}; it goes to the first that rejoins")
+        self.log(f"{message}; it goes to the first that rejoins")
 
-    def _join(self, replica: Replica, version: int) -> None:
-        self.pool.lifecycle.join(replica, version)
+    @property
+    def transport(self) -> WeightTransport | None:
+        """The transport decided at the first publish (None before it, or while undecided)."""
+        return self._transport
 
     def sender_transport(self, specs, num_senders: int, announce) -> WeightTransport:
         """The driver's transport when the `num_senders` processes of a multi-process learner
-        each send their own slices (`jaxrlhf.rl.transport.senders`): streams, or writes into
+        each send their own slices (`jaxrlhf.fleet.transport.senders`): streams, or writes into
         the shared file, as the pool's transport goes; `announce` hands each attempt to the
         other processes."""
         transport = self._transport_for(specs)
         if isinstance(transport, SharedFileTransport):
             return SharedSenders(transport, announce)
-        return DriverSenders(self.pool.chunk_bytes, num_senders, self.pool._credentials, announce)
+        return DriverSenders(
+            self.settings.chunk_bytes, num_senders, self.settings.credentials, announce
+        )
 
     def _transport_for(self, specs) -> WeightTransport:
         """The transport, decided at the first publish: the shared file when `transport` is
@@ -224,20 +250,22 @@ class WeightDelivery:
         publish streams); else the stream."""
         if self._transport is not None:
             return self._transport
-        if self.pool.transport_name == "stream":
-            self._transport = StreamTransport(self.pool.chunk_bytes)
+        if self.settings.transport == "stream":
+            self._transport = StreamTransport(self.settings.chunk_bytes)
             return self._transport
         reason, decided = self._shared_unavailable()
         if specs is None:
             reason, decided = "the publish gave no tensor layout", False
-        if reason and self.pool.transport_name == "shared":
+        if reason and self.settings.transport == "shared":
             raise GeneratorError(f"weight transport 'shared' is not possible: {reason}")
         if reason:
-            transport = StreamTransport(self.pool.chunk_bytes)
+            transport = StreamTransport(self.settings.chunk_bytes)
             if decided:
                 self._transport = transport
             return transport
-        statuses = [r.client.status(timeout=self.pool.timeouts.status) for r in self.pool.replicas]
+        statuses = [
+            r.client.status(timeout=self.settings.status_timeout) for r in self.lifecycle.replicas
+        ]
         # Written while the replicas stage it, when every one of them takes that.
         progressive = all(status.shared_progress for status in statuses)
         self._transport = SharedFileTransport(
@@ -248,13 +276,13 @@ class WeightDelivery:
     def _shared_unavailable(self) -> tuple[str, bool]:
         """(why the replicas cannot take shared-file updates from this process, or "";
         whether that is settled rather than a replica not answering now)."""
-        remote = [r.target for r in self.pool.replicas if not is_local_target(r.target)]
+        remote = [r.target for r in self.lifecycle.replicas if not is_local_target(r.target)]
         if remote:
             return f"generators {', '.join(remote)} are not addressed on this host", True
         try:
-            timeout = self.pool.timeouts.status
+            timeout = self.settings.status_timeout
             folders = {r.target: r.client.status(timeout=timeout).shared_weights_dir
-                       for r in self.pool.replicas}  # fmt: skip
+                       for r in self.lifecycle.replicas}  # fmt: skip
         except grpc.RpcError as error:
             return f"a generator did not answer ({error.code().name})", False
         if "" in folders.values():

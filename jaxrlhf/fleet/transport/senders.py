@@ -24,11 +24,11 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxrlhf.distributed import all_succeeded
-from jaxrlhf.rl.transport.base import Outcome, TensorStream, WeightTransport, WeightUpdate
-from jaxrlhf.rl.transport.shared import SharedFileTransport
-from jaxrlhf.rl.transport.stream import StreamTransport
-from jaxrlhf.rpc.client import GeneratorClient
-from jaxrlhf.rpc.shared import SharedWeightsFile
+from jaxrlhf.fleet.rpc.client import GeneratorClient
+from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
+from jaxrlhf.fleet.transport.base import Outcome, TensorStream, WeightTransport, WeightUpdate
+from jaxrlhf.fleet.transport.shared_file import SharedFileTransport
+from jaxrlhf.fleet.transport.stream import StreamTransport
 
 
 @dataclasses.dataclass(frozen=True)

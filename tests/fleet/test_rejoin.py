@@ -30,9 +30,9 @@ import pytest
 import transformers
 
 from jaxrlhf.checkpointing import Checkpointer
+from jaxrlhf.fleet.pool import GeneratorPool
 from jaxrlhf.rl.evaluator import Evaluator
 from jaxrlhf.rl.learner import Learner
-from jaxrlhf.rl.pool import GeneratorPool
 from jaxrlhf.rl.trainer import begin
 from jaxrlhf.sharding import make_mesh
 from tests.generator_service.replicas import FakeGenerator

@@ -11,7 +11,7 @@
   weights and version, in full, whatever it served before (the pool's next publish, or one with
   `rejoining_only`); then it is live again (`join`).
 
-The pool (`jaxrlhf.rl.pool.GeneratorPool`) decides what counts as a failure and sends the
+The pool (`jaxrlhf.fleet.pool.GeneratorPool`) decides what counts as a failure and sends the
 weights; this piece holds the states, under the pool's lock, and brings failed replicas back.
 """
 
@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from jaxrlhf.rpc import generator_pb2
-from jaxrlhf.rpc.client import GeneratorClient
+from jaxrlhf.fleet.rpc import generator_pb2
+from jaxrlhf.fleet.rpc.client import GeneratorClient
 
 LIVE, FAILED, REJOINING = "live", "failed", "rejoining"
 UNKNOWN_VERSION = -1  # of a replica whose weights are unknown: it is sent the full update
@@ -81,6 +81,11 @@ class Lifecycle:
     def in_states(self, *states: str) -> list[Replica]:
         with self._cond:
             return [r for r in self.replicas if r.state in states]
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Adds `n` to one of the pool's counters (under its lock)."""
+        with self._cond:
+            self.counters[counter] += n
 
     def summary(self) -> str:
         return f"{len(self.in_states(LIVE))} of {len(self.replicas)} replica(s) live"

@@ -19,8 +19,8 @@ import pytest
 from generator_service.engine import SwapTimes
 from generator_service.server import GeneratorServicer, add_generator_service
 from generator_service.weights import TensorSpec
-from jaxrlhf.rl.transport import SharedFileTransport, WeightUpdate
-from jaxrlhf.rpc import GeneratorClient
+from jaxrlhf.fleet.rpc import GeneratorClient
+from jaxrlhf.fleet.transport import SharedFileTransport, WeightUpdate
 
 REMOTE_PEER = "ipv4:203.0.113.9:40000"
 
