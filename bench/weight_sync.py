@@ -29,7 +29,8 @@ these cores).
 
 Two services per dtype, one after the other: `stage: true` stages each update (converts it into
 the engine's layout in a thread of the worker while generation could go on, then pauses only to
-copy it in: generator_service/staging.py), `stage: false` (`--no-stage`) loads it in the pause.
+copy it in: generator_service/updates/worker_stage.py), `stage: false` (`--no-stage`) loads it
+in the pause.
 With staging, `{transport}_stage_s` also holds the staging and the pause is the commit; its
 `{transport}_over_in_process` ratios are the targets (pause <= 0.25, end to end <= 1.5). Prints
 one JSON line per dtype and mode: medians over the repeats, and the fastest repeat of each, after

@@ -3,7 +3,7 @@
 One `AsyncLLM` serves every call (continuous batching across calls); each sample is one engine
 request (n=1), streamed back as soon as it finishes. Every token is tagged with the version of
 the weights that sampled it, read from vLLM's weight-version spans (a swap labels the engine's
-weights, swaps.py).
+weights, updates/swap.py).
 
 Admission (the `VersionGate` orders calls and swaps, gate.py):
 

@@ -9,8 +9,8 @@ rules:
 | job | module |
 |---|---|
 | Generate calls: admission, submission, samples, the version of every token | calls.py |
-| swaps: the pause ("drain" or "in-flight"), a failed or cancelled swap | swaps.py |
-| staging control: begin, feed, wait for and drop a stage; staging off | stage_control.py |
+| swaps: the pause ("drain" or "in-flight"), a failed or cancelled swap | updates/swap.py |
+| staging control: begin, feed, wait for and drop a stage; staging off | updates/engine_stage.py |
 | what it reports: the served version, occupancy, a swap's times | status.py |
 | its settings, and how vLLM is started from them | engine_config.py |
 
@@ -37,10 +37,10 @@ from generator_service.engine_config import (
 )
 from generator_service.gate import VersionGate
 from generator_service.requests import Sampling
-from generator_service.stage_control import StageControl
 from generator_service.status import Occupancy, Served, SwapTimes
-from generator_service.swaps import Swaps
-from generator_service.weights import StagedTensor
+from generator_service.updates.engine_stage import StageControl
+from generator_service.updates.swap import Swaps
+from generator_service.updates.tensors import StagedTensor
 
 logger = logging.getLogger(__name__)
 

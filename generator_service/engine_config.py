@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from generator_service.weights import TensorSpec, expected_tensors
+from generator_service.updates.tensors import TensorSpec, expected_tensors
 from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
 
 logger = logging.getLogger(__name__)
@@ -47,16 +47,16 @@ class EngineConfig:
     max_num_seqs: int | None = None
     block_size: int | None = None  # None: vLLM's (128 on CPU: shorter prompts are never cached)
     # Where updates are staged before the engine loads them (RAM-backed if possible; see
-    # staging_file.py). None: /dev/shm when writable, else the system temp folder.
+    # updates/bytes_file.py). None: /dev/shm when writable, else the system temp folder.
     staging_dir: str | None = None
     # The KV cache's size in bytes (it takes precedence over VLLM_CPU_KVCACHE_SPACE). None: on
     # CPU, `default_cpu_kv_cache_bytes()` (unless VLLM_CPU_KVCACHE_SPACE says otherwise); on
     # GPUs, gpu_memory_utilization decides.
     kv_cache_bytes: int | None = None
-    # How a swap meets running requests (swaps.py).
+    # How a swap meets running requests (updates/swap.py).
     swap_mode: str = "drain"
     in_flight_kv: str = "keep"
-    # Staged swaps (staging.py): the update is converted into the engine's layout while
+    # Staged swaps (updates/worker_stage.py): the update is converted into the engine's layout while
     # generation goes on, and the pause only commits it. False: reload in the pause (one copy of
     # the weights instead of two). `stage_threads`: CPU threads of the staging thread (on a
     # CPU backend it shares the cores with generation).

@@ -3,15 +3,15 @@
 Messages are translated here and nowhere else; the engine and the update paths deal in plain
 Python values. Weight chunks are decoded by hand (`jaxrlhf_wire.chunks.decode_weight_chunk`) so
 that their data stays a view of the received message, written to the staging file without
-another copy (update_stream.py). The wire contract (stubs, chunk format, loopback rule,
+another copy (updates/receive_stream.py). The wire contract (stubs, chunk format, loopback rule,
 readiness line) comes from `jaxrlhf_wire`; this package never imports the learner's `jaxrlhf`.
 
 | call | handled by |
 |---|---|
 | Generate | the engine (engine.py, calls.py) |
-| UpdateWeights | update_stream.py (several senders: updates.py), then update_apply.py |
-| UpdateWeightsShared | update_shared.py, then update_apply.py |
-| GetStatus | the engine's records (status.py) and the last update's (update_apply.py) |
+| UpdateWeights | updates/receive_stream.py (senders joined: updates/join.py), updates/apply.py |
+| UpdateWeightsShared | updates/receive_shared.py, then updates/apply.py |
+| GetStatus | the engine's records (status.py) and the last update's (updates/apply.py) |
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from generator_service.engine import GeneratorEngine
 from generator_service.engine_config import EngineConfig
 from generator_service.memory import keep_freed_memory
 from generator_service.requests import GenerateError, Sampling
-from generator_service.update_apply import Applied, UpdateApplier
-from generator_service.update_shared import SharedFile, SharedUpdates
-from generator_service.update_stream import StreamedUpdates
-from generator_service.weights import WeightUpdateError
+from generator_service.updates.apply import Applied, UpdateApplier
+from generator_service.updates.receive_shared import SharedFile, SharedUpdates
+from generator_service.updates.receive_stream import StreamedUpdates
+from generator_service.updates.tensors import WeightUpdateError
 from jaxrlhf_wire import ADMITTED_VERSION_HEADER, READY_LINE
 from jaxrlhf_wire.chunks import CHANNEL_OPTIONS, MalformedChunkError, decode_weight_chunk
 from jaxrlhf_wire.hosts import is_local_peer
@@ -55,7 +55,7 @@ class ServerOptions:
     tls: grpc.ServerCredentials | None = None
     # Seconds that in-flight calls get to finish after SIGTERM.
     shutdown_grace: float = 10.0
-    # Seconds an update from several senders waits for all of them (generator_service.updates).
+    # Seconds an update from several senders waits for all of them (generator_service.updates.join).
     senders_timeout: float = 60.0
 
 
@@ -115,7 +115,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
 
     async def UpdateWeights(self, request_iterator, context) -> generator_pb2.UpdateWeightsResponse:
         """Receives a stream of `ReceivedChunk`s (see `add_generator_service`): the whole update,
-        or one sender's part of it (update_stream.py)."""
+        or one sender's part of it (updates/receive_stream.py)."""
         if self._engine.weight_specs is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, self._engine.weight_specs_error
@@ -133,7 +133,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self, request: generator_pb2.SharedWeights, context
     ) -> generator_pb2.UpdateWeightsResponse:
         """Swaps in an update the learner wrote into a file of the shared folder, from this host
-        only (update_shared.py)."""
+        only (updates/receive_shared.py)."""
         if self._engine.weight_specs is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, self._engine.weight_specs_error

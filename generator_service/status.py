@@ -1,7 +1,7 @@
 """What the engine records of itself, for GetStatus and each update's answer (server.py
 translates them into messages).
 
-- `Served`: the weights the engine serves. Only a swap writes it (swaps.py): a swap that
+- `Served`: the weights the engine serves. Only a swap writes it (updates/swap.py): a swap that
   succeeds sets its version, counts it and stamps its time (`swapped_in`); one that fails
   half-way clears `serving`, which stays clear until a complete update succeeds. A Generate
   call reads it once, when it is admitted (calls.py).

@@ -1,11 +1,11 @@
 """Code that runs inside vLLM's worker process (`worker_extension_cls`), reached by collective_rpc.
 
-Loading a staged update: the staging file (staging_file.py) is mapped into memory and every tensor
-handed to vLLM's in-place `reload_weights` is a view of its region (`weights_iterator`), so
-nothing is read or copied before vLLM copies each tensor into its parameter, exactly as when
-it reloads tensors already in memory. (Reloading from a folder instead would go through vLLM's
-checkpoint reader, which copies every tensor, and would repoint the model config at the
-staging folder.)
+Loading a staged update: the staging file (updates/bytes_file.py) is mapped into memory and
+every tensor handed to vLLM's in-place `reload_weights` is a view of its region
+(`weights_iterator`), so nothing is read or copied before vLLM copies each tensor into its
+parameter, exactly as when it reloads tensors already in memory. (Reloading from a folder instead
+would go through vLLM's checkpoint reader, which copies every tensor, and would repoint the model
+config at the staging folder.)
 
 Tied heads: on the CPU backend every linear layer packs its weight into a kernel-specific copy
 after loading. vLLM 0.32's in-place `reload_weights` repacks the layers it reloads, but a
@@ -176,7 +176,7 @@ class WeightReloadExtension:
     def jaxrlhf_begin_stage(self, expected: list, threads: int = 1, stage_id: int = 0) -> str:
         """Starts staging an update of the tensors named `expected`, which `jaxrlhf_feed_stage`
         hands in as they arrive; returns "" or why this model cannot be staged."""
-        from generator_service.staging import Stage
+        from generator_service.updates.worker_stage import Stage
 
         if self._jaxrlhf_stage is not None:
             self.jaxrlhf_drop_staged()  # left by a swap that failed before dropping it

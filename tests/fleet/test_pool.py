@@ -137,7 +137,7 @@ def test_generate_waits_for_a_new_enough_replica_and_then_says_which_are_too_old
 
 @pytest.fixture
 def recording(tiny_llama):
-    from generator_service.weights import expected_tensors
+    from generator_service.updates.tensors import expected_tensors
 
     replica = RecordingReplica(expected_tensors(tiny_llama))
     yield replica

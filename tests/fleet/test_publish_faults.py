@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def layout_of(model_dir) -> tuple[dict, list, dict[str, np.ndarray]]:
     """The served model's tensor specs, the learner's layout of them, and weights for them."""
-    from generator_service.weights import expected_tensors
+    from generator_service.updates.tensors import expected_tensors
 
     specs = expected_tensors(model_dir)
     layout = [(t.name, tuple(t.shape), np.float32) for t in specs.values()]

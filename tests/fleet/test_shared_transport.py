@@ -18,7 +18,7 @@ import pytest
 
 from generator_service.engine import SwapTimes
 from generator_service.server import GeneratorServicer, add_generator_service
-from generator_service.weights import TensorSpec
+from generator_service.updates.tensors import TensorSpec
 from jaxrlhf.fleet.rpc import GeneratorClient
 from jaxrlhf.fleet.transport import SharedFileTransport, WeightUpdate
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 
 from generator_service.status import Occupancy, SwapTimes
-from generator_service.weights import WeightUpdateError
+from generator_service.updates.tensors import WeightUpdateError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ class RecordingEngine:
     async def swap_weights(self, staging_path, tensors, policy_version, allow_rollback=False,
                            stage_id=0):  # fmt: skip
         from generator_service import failpoints
-        from generator_service.swaps import finish_despite_cancellation
+        from generator_service.updates.swap import finish_despite_cancellation
 
         hold = failpoints.hit("reload_weights")
         if hold is None or not hold.startswith("sleep="):

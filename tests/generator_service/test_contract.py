@@ -220,7 +220,7 @@ def test_the_service_does_not_import_the_learner():
 def test_both_sides_share_one_contract():
     import generator_service.auth
     import generator_service.server
-    import generator_service.weights
+    import generator_service.updates.tensors
     import jaxrlhf.fleet.rpc.client
     import jaxrlhf.fleet.rpc.weights_file
     import jaxrlhf_wire
@@ -231,6 +231,9 @@ def test_both_sides_share_one_contract():
     assert generator_service.server.generator_pb2 is jaxrlhf_wire.stubs.generator_pb2
     assert jaxrlhf.fleet.rpc.client.generator_pb2 is jaxrlhf_wire.stubs.generator_pb2
     assert generator_service.server.CHANNEL_OPTIONS is jaxrlhf.fleet.rpc.client.CHANNEL_OPTIONS
-    assert generator_service.weights.STAGING_ALIGNMENT == jaxrlhf.fleet.rpc.weights_file.ALIGNMENT
+    assert (
+        generator_service.updates.tensors.STAGING_ALIGNMENT
+        == jaxrlhf.fleet.rpc.weights_file.ALIGNMENT
+    )
     assert generator_service.auth.AUTH_HEADER == jaxrlhf.fleet.rpc.client.AUTH_HEADER
     assert jaxrlhf_wire.READY_LINE == "GENERATOR_SERVICE_READY"

@@ -1,5 +1,5 @@
-"""Staging a streamed update as it arrives, on the server's side (generator_service/feeder.py; no
-engine): each tensor is handed to the stage once, only when every one of its bytes, from every
+"""Staging a streamed update as it arrives, on the server's side (generator_service/updates/feed.py;
+no engine): each tensor is handed to the stage once, only when every one of its bytes, from every
 sender, is in the staging file, and nothing is fed after a write failed."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import asyncio
 
 import numpy as np
 
-from generator_service.assembler import WeightAssembler
-from generator_service.feeder import StageFeeder, write_and_feed
-from generator_service.staging_file import StagingFile
-from generator_service.weights import StagedTensor, TensorSpec
+from generator_service.updates.assemble import WeightAssembler
+from generator_service.updates.bytes_file import StagingFile
+from generator_service.updates.feed import StageFeeder, write_and_feed
+from generator_service.updates.tensors import StagedTensor, TensorSpec
 
 SHAPES = {
     "model.layers.0.mlp.up_proj.weight": (8, 4),

@@ -167,7 +167,7 @@ def test_request_rules_refuse_what_the_engine_cannot_take():
 
 
 def test_update_rules_refuse_versions_over_int64_and_nul_paths(tmp_path):
-    from generator_service.weights import (
+    from generator_service.updates.tensors import (
         WeightUpdateError,
         check_update_header,
         shared_file_path,

@@ -74,7 +74,7 @@ def test_cancelled_writer_lets_readers_through():
 def test_a_swap_outlives_its_cancelled_caller():
     """A client's deadline landing mid-swap: the swap runs to its end (never left paused),
     then the caller's cancellation goes on."""
-    from generator_service.swaps import finish_despite_cancellation
+    from generator_service.updates.swap import finish_despite_cancellation
 
     async def scenario() -> list[str]:
         events: list[str] = []

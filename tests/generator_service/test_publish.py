@@ -18,7 +18,7 @@ CHUNK_BYTES = 1 << 14  # many chunks per tensor: the fan-out's queues fill and d
 
 @pytest.fixture(scope="module")
 def recording_replica(tiny_llama):
-    from generator_service.weights import expected_tensors
+    from generator_service.updates.tensors import expected_tensors
 
     replica = RecordingReplica(expected_tensors(tiny_llama))
     yield replica

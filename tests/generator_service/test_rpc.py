@@ -160,7 +160,7 @@ def test_malformed_bytes_are_refused_as_invalid_argument(tiny_llama):
     import grpc
     import pytest
 
-    from generator_service.weights import expected_tensors
+    from generator_service.updates.tensors import expected_tensors
     from jaxrlhf_wire.chunks import (
         CHANNEL_OPTIONS,
         UPDATE_WEIGHTS_METHOD,

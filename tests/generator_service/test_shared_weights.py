@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from generator_service.weights import (
+from generator_service.updates.tensors import (
     STAGING_ALIGNMENT,
     TensorSpec,
     WeightUpdateError,
@@ -292,7 +292,7 @@ def test_pool_picks_the_shared_file_for_a_local_server_and_streams_when_told(
 
 
 def test_a_progressive_update_keeps_the_first_bytes_for_its_count():
-    from generator_service.weights import check_progress_page
+    from generator_service.updates.tensors import check_progress_page
 
     tensors = check_shared_layout(SPECS, 0, 1, layout(), 2 * STAGING_ALIGNMENT)
     with pytest.raises(WeightUpdateError, match="hold the count of tensors written") as caught:
@@ -397,7 +397,7 @@ def test_a_count_caught_half_stored_is_waited_for_not_taken(first_byte):
     import concurrent.futures
     import fcntl
 
-    from generator_service.weights import TensorSpec
+    from generator_service.updates.tensors import TensorSpec
     from jaxrlhf.fleet.rpc import GeneratorClient
     from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
     from jaxrlhf_wire.files import PROGRESS_BYTES

@@ -1,6 +1,6 @@
-"""Staged swaps inside a real vLLM CPU engine (generator_service/staging.py), in a process of
-their own: the engine runs in that process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that the
-probe below can read the live model between the worker's RPCs.
+"""Staged swaps inside a real vLLM CPU engine (generator_service/updates/worker_stage.py), in a
+process of their own: the engine runs in that process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that
+the probe below can read the live model between the worker's RPCs.
 
 - Staging writes nothing of the live model: every tensor keeps its storage and its values, and
   every packed linear (`cpu_linear`) stays the same object, until the commit.

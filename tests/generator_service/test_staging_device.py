@@ -1,4 +1,5 @@
-"""The staging thread's CUDA device (generator_service/staging.py), on a machine without a GPU.
+"""The staging thread's CUDA device (generator_service/updates/worker_stage.py), on a machine
+without a GPU.
 
 torch's current CUDA device belongs to a thread, and a new thread's is GPU 0: a stage of a
 tensor-parallel rank above 0 made its stream and ran its kernels on GPU 0 unless its thread set
@@ -18,7 +19,7 @@ import time
 import pytest
 import torch
 
-from generator_service import staging
+from generator_service.updates import worker_stage as staging
 
 
 def test_only_a_cuda_worker_has_a_device_to_make_current(monkeypatch):

@@ -24,7 +24,7 @@ CHILD = """
 import sys
 folder, kind = sys.argv[1:]
 if kind == "staging":
-    from generator_service.staging_file import StagingFile
+    from generator_service.updates.bytes_file import StagingFile
     made = StagingFile(folder)
 else:
     from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
@@ -36,7 +36,7 @@ sys.stdin.read()
 
 def _prefix(kind: str) -> str:
     if kind == "staging":
-        from generator_service.staging_file import StagingFile
+        from generator_service.updates.bytes_file import StagingFile
 
         return StagingFile.PREFIX
     from jaxrlhf.fleet.rpc.weights_file import PREFIX
@@ -74,7 +74,7 @@ def test_a_live_owner_in_another_pid_namespace_keeps_its_file(tmp_path, kind):
 
 def _make(kind: str, folder: Path):
     if kind == "staging":
-        from generator_service.staging_file import StagingFile
+        from generator_service.updates.bytes_file import StagingFile
 
         return StagingFile(str(folder))
     from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile

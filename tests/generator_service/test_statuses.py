@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from generator_service import failpoints
-from generator_service.weights import TensorSpec
+from generator_service.updates.tensors import TensorSpec
 from jaxrlhf_wire.chunks import TensorSlice
 from tests.generator_service.wire import chunk_messages
 

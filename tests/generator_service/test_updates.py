@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from generator_service.updates import UpdateJoiner
-from generator_service.weights import WeightUpdateError
+from generator_service.updates.join import UpdateJoiner
+from generator_service.updates.tensors import WeightUpdateError
 
 
 def header(version=1, sender=0, num_senders=2, num_tensors=3, allow_rollback=False,

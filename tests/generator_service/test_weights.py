@@ -11,9 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
-from generator_service.assembler import WeightAssembler
-from generator_service.staging_file import StagingFile, minimum_update_bytes
-from generator_service.weights import (
+from generator_service.updates.assemble import WeightAssembler
+from generator_service.updates.bytes_file import StagingFile, minimum_update_bytes
+from generator_service.updates.tensors import (
     STAGING_ALIGNMENT,
     TensorSpec,
     WeightUpdateError,

@@ -1,4 +1,4 @@
-"""The shadow of a model that a stage loads an update into (staging.py), inside vLLM's worker.
+"""The shadow of a model that a stage loads an update into (worker_stage.py), inside vLLM's worker.
 
 vLLM's in-place `reload_weights` cannot overlap generation: while it loads, the live modules'
 parameters are replaced by meta tensors. A stage instead loads into a *shadow* of the model

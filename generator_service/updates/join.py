@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from generator_service.weights import WeightUpdateError
+from generator_service.updates.tensors import WeightUpdateError
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Update:
         self.result: asyncio.Future = asyncio.get_running_loop().create_future()
         self.assembler = None
         self.staging = None
-        self.stage_id = 0  # the engine's stage begun for it (generator_service/feeder.py)
+        self.stage_id = 0  # the engine's stage begun for it (generator_service/updates/feed.py)
         self.feeder = None  # feeding that stage, until the swap takes it over
 
     @property

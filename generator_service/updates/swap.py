@@ -11,7 +11,7 @@ takes. Two swap modes (`SWAP_MODES`, `EngineConfig.swap_mode`):
   weights stay, as PipelineRL does) or recomputed ("recompute": every running request is
   preempted and re-prefilled, prompt and tokens so far, with the new weights).
 
-In both, the load is a commit of the staged update (stage_control.py, staging.py: converted
+In both, the load is a commit of the staged update (engine_stage.py, worker_stage.py: converted
 while generation went on) or, when the update is not staged, vLLM's in-place reload from the
 update's file (the staging file, or the learner's shared file). The engine's weights are then
 labelled with the version (`update_weight_version`: vLLM's weight-version spans tag every token
@@ -44,9 +44,9 @@ import grpc
 
 from generator_service import failpoints
 from generator_service.gate import VersionGate
-from generator_service.stage_control import StageControl, manifest
 from generator_service.status import Occupancy, Served, SwapTimes
-from generator_service.weights import StagedTensor, WeightUpdateError
+from generator_service.updates.engine_stage import StageControl, manifest
+from generator_service.updates.tensors import StagedTensor, WeightUpdateError
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Swaps:
     ) -> SwapTimes:
         """Loads a validated, complete update staged in `staging_path` as `policy_version`.
 
-        Staged (`EngineConfig.stage`, see staging.py): the update is first converted into the
+        Staged (`EngineConfig.stage`, see worker_stage.py): the update is first converted into the
         engine's layout while generation goes on, then committed in the pause; with
         `stage_id`, the stage `StageControl.begin` began, fed every one of `tensors`.
         `pause_seconds`: in "drain" mode from when new calls were held at the gate, through the

@@ -1,6 +1,6 @@
 """Staging a streamed update while it is still arriving.
 
-Without this, the engine's stage (staging.py) starts when the last byte of an update has come,
+Without this, the engine's stage (worker_stage.py) starts when the last byte of an update has come,
 and the update's time is the receive *plus* the stage. With it, the server begins the stage
 before the first byte (`GeneratorEngine.begin_stage`, told every tensor the update will carry),
 and a `StageFeeder` hands the engine each tensor as soon as all of its bytes are written in the
@@ -22,9 +22,9 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from generator_service.assembler import WeightAssembler
-from generator_service.staging_file import StagingFile
-from generator_service.weights import StagedTensor
+from generator_service.updates.assemble import WeightAssembler
+from generator_service.updates.bytes_file import StagingFile
+from generator_service.updates.tensors import StagedTensor
 
 logger = logging.getLogger(__name__)
 

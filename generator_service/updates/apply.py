@@ -1,6 +1,6 @@
 """An update received and checked, put live through the engine's swap, and what the server
-records of it. Both ways an update comes use it: a stream (update_stream.py) and a shared
-file (update_shared.py).
+records of it. Both ways an update comes use it: a stream (receive_stream.py) and a shared
+file (receive_shared.py).
 
 - One update at a time (`lock`): they share the staging file, and versions apply in order.
 - `update_id` (GetStatus) names the update that put the served weights in place: set once the
@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2
 
 from generator_service.engine import GeneratorEngine
 from generator_service.status import SwapTimes
-from generator_service.weights import StagedTensor, WeightUpdateError
+from generator_service.updates.tensors import StagedTensor, WeightUpdateError
 from jaxrlhf_wire.stubs import SERVICE_NAME
 
 

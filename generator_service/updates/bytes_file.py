@@ -1,5 +1,5 @@
 """The file an update is staged in: written chunk by chunk where the assembler places each
-chunk's bytes (assembler.py), then loaded by the engine.
+chunk's bytes (assemble.py), then loaded by the engine.
 
 The file is raw bytes, not safetensors: the engine gets each tensor's name, dtype, shape and
 position with the reload (or stage) call, maps the file and loads views of it
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from generator_service.weights import TensorSpec, WeightUpdateError
+from generator_service.updates.tensors import TensorSpec, WeightUpdateError
 from jaxrlhf_wire.dtypes import WIRE_DTYPES
 from jaxrlhf_wire.files import create_owned_file, release_owned_file, remove_stale_files
 

@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from generator_service import failpoints
-from generator_service.shadow import (
+from generator_service.updates.shadow import (
     StagingUnsupported,
     build_shadow,
     materialize,

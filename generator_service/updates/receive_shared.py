@@ -3,13 +3,13 @@
 
 - Only a peer on this host may send one (server.py checks), naming a file directly inside the
   shared folder (the staging folder), whose layout is checked against the served model before
-  the engine sees it (weights.py: `shared_file_path`, `check_shared_layout`).
-- One update at a time, under the same lock as streamed ones (update_apply.py).
+  the engine sees it (tensors.py: `shared_file_path`, `check_shared_layout`).
+- One update at a time, under the same lock as streamed ones (apply.py).
 - A `progressive` update is sent before the file is written: the learner counts the tensors
   written in the file's first bytes (`jaxrlhf_wire.files`; a count is read under the file's
   lock, never torn nor before the tensors it counts). The server reads the count every
   `PROGRESS_POLL_SECONDS[0]` s, doubling to `PROGRESS_POLL_SECONDS[1]` s while it stands
-  still, and hands each written tensor to a stage begun at once (stage_control.py), so the
+  still, and hands each written tensor to a stage begun at once (engine_stage.py), so the
   update is staged as it is written.
 - Following a progressive update, the update is refused: ABORTED when the learner gave up
   writing, or when the count stood still for `senders_timeout` seconds (a stall is transient:
@@ -31,9 +31,9 @@ import grpc
 
 from generator_service import failpoints
 from generator_service.status import SwapTimes
-from generator_service.swaps import finish_despite_cancellation
-from generator_service.update_apply import Applied, UpdateApplier
-from generator_service.weights import (
+from generator_service.updates.apply import Applied, UpdateApplier
+from generator_service.updates.swap import finish_despite_cancellation
+from generator_service.updates.tensors import (
     StagedTensor,
     WeightUpdateError,
     check_progress_page,

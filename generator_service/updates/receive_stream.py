@@ -2,15 +2,15 @@
 into the staging file, the update swapped in when its last sender's stream ends, and one
 answer for every sender.
 
-- The streams of one update join it (updates.py: who joins, the join timeout, the update
+- The streams of one update join it (join.py: who joins, the join timeout, the update
   lock). Under the lock, before any byte is received, the update gets its assembler, the
   staging file (made by the first update; refused when the update cannot fit) and, when the
-  engine stages, a stage begun at once and fed as tensors complete (feeder.py). A stage that
+  engine stages, a stage begun at once and fed as tensors complete (feed.py). A stage that
   cannot begin is not an error: the swap stages from scratch after the stream.
 - Every chunk must say the sender of its stream. A malformed chunk, an overlap or a refusal of
   any stream refuses the update; each sender is answered with that refusal, at its next chunk
   or at once when it waits.
-- The last stream to end swaps the update in (update_apply.py); every sender gets its answer.
+- The last stream to end swaps the update in (apply.py); every sender gets its answer.
 - A sender's call cancelled after the swap's pause began: the swap ran to its end, the update
   is live and the other senders are told so (this call's timings are lost with it). Cancelled
   earlier (while sending, or waiting for the others or for the swap): the update is refused,
@@ -28,13 +28,13 @@ import time
 import grpc
 
 from generator_service import failpoints
-from generator_service.assembler import WeightAssembler
-from generator_service.feeder import StageFeeder, write_and_feed
-from generator_service.staging_file import StagingFile, minimum_update_bytes
-from generator_service.swaps import finish_despite_cancellation
-from generator_service.update_apply import Applied, UpdateApplier
-from generator_service.updates import Update, UpdateJoiner
-from generator_service.weights import WeightUpdateError
+from generator_service.updates.apply import Applied, UpdateApplier
+from generator_service.updates.assemble import WeightAssembler
+from generator_service.updates.bytes_file import StagingFile, minimum_update_bytes
+from generator_service.updates.feed import StageFeeder, write_and_feed
+from generator_service.updates.join import Update, UpdateJoiner
+from generator_service.updates.swap import finish_despite_cancellation
+from generator_service.updates.tensors import WeightUpdateError
 from jaxrlhf_wire.chunks import MalformedChunkError
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class StreamedUpdates:
         self._staging.check_space(minimum_update_bytes(specs))
         update.staging = self._staging
         if self._engine.stages:
-            # Staged as it arrives (generator_service/feeder.py).
+            # Staged as it arrives (generator_service/updates/feed.py).
             try:
                 stage_id = await self._engine.begin_stage(list(specs))
             except Exception:  # noqa: BLE001 - staged after the stream instead

@@ -9,7 +9,7 @@ Hugging Face names the learner exports; a tied `lm_head` is absent there and so 
   its served shape, in a float wire dtype; its version is newer than the served one (unless it
   rolls back) and one a Completion can carry (`check_update_header`, `check_tensor`).
 - A streamed update is checked chunk by chunk as it is placed in the staging file
-  (assembler.py, staging_file.py); a complete tensor there is a `StagedTensor`.
+  (assemble.py, bytes_file.py); a complete tensor there is a `StagedTensor`.
 - A shared update (UpdateWeightsShared) names a file directly inside the server's shared
   folder (links resolved first, so a link cannot point the engine elsewhere), whose tensors lie
   `STAGING_ALIGNMENT`-aligned, inside the file and apart (`check_shared_layout`); a

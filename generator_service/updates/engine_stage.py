@@ -1,10 +1,10 @@
 """Staging control, from the engine's side: begin, feed, wait for and drop the stage that the
-engine's workers build of an update (staging.py runs inside them, reached by collective_rpc).
+engine's workers build of an update (worker_stage.py runs inside them, reached by collective_rpc).
 
 - A stage is begun before any of its tensors has come, naming them all (`begin`); each tensor is
-  handed in once its bytes are all in the staging file (`feed`, feeder.py); the swap then waits
+  handed in once its bytes are all in the staging file (`feed`, feed.py); the swap then waits
   until every worker has staged the whole update (`wait_staged`) and commits it in its pause
-  (swaps.py). A stage is numbered: a worker that holds another one, or none, fails the feed.
+  (swap.py). A stage is numbered: a worker that holds another one, or none, fails the feed.
 - One stage at a time: beginning one drops the last in the workers, and a swap drops its stage
   when it ends, whatever its outcome (`drop`, which never raises: a dead engine is reported by
   the server's watchdog).
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import grpc
 
 from generator_service.status import Served, TokenCounter
-from generator_service.weights import StagedTensor, WeightUpdateError
+from generator_service.updates.tensors import StagedTensor, WeightUpdateError
 
 logger = logging.getLogger(__name__)
 

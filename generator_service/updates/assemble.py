@@ -4,10 +4,10 @@ Every chunk's bytes are written straight to their final place in one file (the t
 + the chunk's offset) as they arrive, so the update is never assembled in memory. Regions are
 handed out as tensors start, page-aligned, in the learner's order: a tensor's size is known only
 from the dtype of its first chunk (each tensor may come in any wire dtype). A tensor may come
-whole or as slices (boxes of it, from several senders: updates.py); a slice's rows go to their
+whole or as slices (boxes of it, from several senders: join.py); a slice's rows go to their
 places in the tensor's region. A tensor is complete when every byte of it has come exactly
 once: overlapping or repeated bytes, and data past a tensor's end, are refused. Nothing here
-touches the engine or the file (the caller writes the bytes: staging_file.py). Pure Python (no
+touches the engine or the file (the caller writes the bytes: bytes_file.py). Pure Python (no
 torch).
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from generator_service.weights import (
+from generator_service.updates.tensors import (
     StagedTensor,
     TensorSpec,
     WeightUpdateError,
