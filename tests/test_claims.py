@@ -302,15 +302,16 @@ def test_installing_start_models_replaces_another_build_of_the_recipe(tmp_path):
 def test_the_committed_start_models_record_the_start_their_runs_began_from():
     """start.json beside each committed build holds the start accuracies every committed run of
     claim (c) on it recorded (those runs all began from the committed builds)."""
+    from jaxrlhf.experiments import records
     from jaxrlhf.experiments.claims import start_models as sm
 
-    folders = sorted((sm.COMMITTED.parent / "c").glob("*/N*/seed*"))
+    folders = records.runs(sm.COMMITTED.parent / "c")
     assert len(folders) >= 54
     for folder in folders:
         size = folder.parent.parent.name
         assert not sm.other_start(folder, size), folder
         recorded = json.loads((sm.committed_build(size) / sm.START).read_text())
-        ran = json.loads((folder / "summary.json").read_text())
+        ran = json.loads(records.text(folder, "summary.json"))
         assert [ran[k] for k in sm.START_KEYS] == [recorded[k] for k in sm.START_KEYS]
     with pytest.raises(FileNotFoundError, match="bed-xl"):
         sm.committed_build("bed-xl")

@@ -449,9 +449,9 @@ def test_a_run_records_the_code_it_ran(tmp_path):
     log = tmp_path / "run" / "run.log"
     returncode, _ = run_main([sys.executable, "-c", "print('the run')"], log)
     assert returncode == 0 and log.read_text().splitlines()[2] == "the run"
-    code = run_code(log)
+    code = run_code(log.parent)
     assert head.startswith(code.removesuffix("+changes")) and len(code) >= 7
-    assert run_code(tmp_path / "nowhere.log") is None
+    assert run_code(tmp_path / "nowhere") is None
 
     runner = Runner(REPO / "configs/tiny.py", tmp_path, "test", report_only=True)
     runs = []

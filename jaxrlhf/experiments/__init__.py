@@ -6,7 +6,8 @@
 
 Each run is the RLHF stage exactly as a user starts it (a `jaxrlhf.main` subprocess with
 `--config.key=value` overrides), so a run's output dir holds the usual `metrics.jsonl`,
-`summary.json` and its log; these helpers build the command, run it and read the outputs back.
+`summary.json` and its log; these helpers build the command, run it and read the outputs back
+(loose, or packed once committed: `jaxrlhf.experiments.records`).
 """
 
 from __future__ import annotations
@@ -139,13 +140,13 @@ def code_version(repo: Path = REPO) -> str:
     return commit + ("+changes" if changed else "")
 
 
-def run_code(log_path: str | Path) -> str | None:
-    """The code version `run_main` wrote in a run's log (None: not recorded, or no log)."""
-    try:
-        with open(log_path, errors="replace") as log:
-            head = [log.readline() for _ in range(2)]
-    except FileNotFoundError:
-        return None
+def run_code(folder: str | Path) -> str | None:
+    """The code version `run_main` wrote in the log of the run in `folder`, loose or packed
+    (`records`; None: not recorded, or no log)."""
+    from jaxrlhf.experiments import records
+
+    log = records.text(folder, "run.log")
+    head = [*(log or "").splitlines()[:2], "", ""]
     line = head[1].strip()
     return line[len(CODE_LINE) :] if line.startswith(CODE_LINE) else None
 
@@ -172,18 +173,25 @@ def log_tail(log_path: str | Path, lines: int = 30) -> str:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    text = Path(path).read_text()
+    return parse_jsonl(Path(path).read_text())
+
+
+def parse_jsonl(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def read_run(output_dir: str | Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(metrics.jsonl records sorted by step, summary.json) of a finished run."""
+    """(metrics.jsonl records sorted by step, summary.json) of a finished run, loose in
+    `output_dir` or packed (`records`)."""
+    from jaxrlhf.experiments import records
+
     out = Path(output_dir)
+    files = records.files(out)
     for name in ("metrics.jsonl", "summary.json"):
-        if not (out / name).exists():
+        if name not in files:
             raise FileNotFoundError(f"{out / name} is missing: the run did not finish")
-    records = sorted(read_jsonl(out / "metrics.jsonl"), key=lambda r: r["step"])
-    return records, json.loads((out / "summary.json").read_text())
+    metrics = sorted(parse_jsonl(files["metrics.jsonl"]), key=lambda r: r["step"])
+    return metrics, json.loads(files["summary.json"])
 
 
 def save_figure(fig, path: str | Path) -> Path:

@@ -69,7 +69,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.experiments import read_jsonl, save_figure
+from jaxrlhf.experiments import read_run, save_figure
 from jaxrlhf.experiments.runner import (
     PlannedRun,
     common_overrides,
@@ -290,9 +290,7 @@ def collect(entries: Sequence[dict[str, Any]]) -> tuple[dict, dict[str, tuple[fl
         idle.setdefault(entry["variant"], [])
         if entry["status"] != "ok":
             continue
-        folder = Path(entry["output_dir"])
-        summary = json.loads((folder / "summary.json").read_text())
-        records = read_jsonl(folder / "metrics.jsonl")
+        records, summary = read_run(entry["output_dir"])
         curve = run_curve(records, summary)
         runs[entry["variant"]][entry["seed"]] = curve
         idle[entry["variant"]].append(learner_idle(records, curve))

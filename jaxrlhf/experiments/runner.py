@@ -7,9 +7,9 @@ the previous run used when both have the same swap setting (`generator.swap_mode
 (`jaxrlhf.experiments.services.SharedServices`, one at a time: an experiment's model may be
 large). Each run that shares saves an engine start; it publishes its initial weights first,
 since the service serves the previous run's. A run whose folder holds a finished run with the
-same overrides is reused; a failed run is recorded and the experiment goes on. A service of
-the experiment's own that dies during a run is replaced and the run is run again (at most
-`MAX_GENERATOR_RESTARTS` times).
+same overrides is reused (loose or packed: `jaxrlhf.experiments.records`); a failed run is
+recorded and the experiment goes on. A service of the experiment's own that dies during a run
+is replaced and the run is run again (at most `MAX_GENERATOR_RESTARTS` times).
 Each run's figures (`run_figures`) come from its `metrics.jsonl` and `summary.json`; its log's
 second line names the commit it ran (`code_version`), and every experiment prints which commits
 its runs ran (`code_summary`), since reused runs may be older than the code.
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrlhf.experiments import log_tail, main_command, read_run, run_code, run_main
+from jaxrlhf.experiments import log_tail, main_command, read_run, records, run_code, run_main
 from jaxrlhf.experiments.services import SWAP_SETTINGS, SharedServices, parse_generators
 
 SETTINGS_FILE = "experiment.json"  # in each run's folder: the overrides it ran with
@@ -76,11 +76,12 @@ _PLACE_KEYS = ("output_dir",)
 
 
 def finished_with(folder: Path, overrides: dict[str, Any]) -> bool:
-    """Whether `folder` holds a finished run made with these overrides (`output_dir` aside)."""
-    settings = folder / SETTINGS_FILE
-    if not ((folder / "summary.json").exists() and settings.exists()):
+    """Whether `folder` holds a finished run made with these overrides (`output_dir` aside),
+    loose or packed (`records`: committed records resume in any clone)."""
+    files = records.files(folder)
+    if not ("summary.json" in files and SETTINGS_FILE in files):
         return False
-    ran, planned = json.loads(settings.read_text()), json.loads(json.dumps(overrides))
+    ran, planned = json.loads(files[SETTINGS_FILE]), json.loads(json.dumps(overrides))
     for key in _PLACE_KEYS:
         ran.pop(key, None), planned.pop(key, None)
     return ran == planned
@@ -162,7 +163,7 @@ class Runner:
     def entry(self, run: PlannedRun, last: int) -> dict[str, Any]:
         """The run's figures, or the reason there are none."""
         entry: dict[str, Any] = {**run.labels, "output_dir": str(run.folder),
-                                 "code": run_code(run.folder / "run.log")}  # fmt: skip
+                                 "code": run_code(run.folder)}  # fmt: skip
         try:
             records, summary = read_run(run.folder)
             entry.update(status="ok", **run_figures(records, summary, last))

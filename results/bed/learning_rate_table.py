@@ -5,7 +5,11 @@ python results/bed/learning_rate_table.py
 
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from jaxrlhf.experiments import records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent / "learning-rate"
 HEADER = (
@@ -19,8 +23,9 @@ def rate(folder: Path) -> str:
 
 
 def row(folder: Path, lr: str, arm: str, seed: int) -> tuple[str, float]:
-    summary = json.loads((folder / "summary.json").read_text())
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    files = records.files(folder)
+    summary = json.loads(files["summary.json"])
+    lines = files["metrics.jsonl"].splitlines()
     by_step = {r["step"]: r for r in map(json.loads, lines)}
     kl = [statistics.mean(by_step[k]["kl"] for k in range(t - 3, t + 1)) for t in (8, 16, 32, 64)]
     val = " / ".join(f"{100 * by_step[t]['eval_accuracy']:.1f}" for t in (16, 32, 48))
@@ -33,11 +38,12 @@ def row(folder: Path, lr: str, arm: str, seed: int) -> tuple[str, float]:
 def main() -> None:
     print(HEADER)
     finals: dict[str, dict[int, dict[str, float]]] = {}
-    for folder in sorted(ROOT.iterdir(), key=lambda p: float(rate(p))):
+    rates = {ROOT / run.relative_to(ROOT).parts[0] for run in records.runs(ROOT)}
+    for folder in sorted(rates, key=lambda p: float(rate(p))):
         for arm in ("sync", "one-step-off"):
             for seed in range(3):
                 run = folder / arm / f"seed{seed}"
-                if (run / "summary.json").exists():
+                if records.text(run, "summary.json") is not None:
                     text, after = row(run, rate(folder), arm, seed)
                     print(text)
                     finals.setdefault(rate(folder), {}).setdefault(seed, {})[arm] = after

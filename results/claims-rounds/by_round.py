@@ -10,7 +10,11 @@ DPO's share of pairs its policy ranks right (`loss/accuracy`).
 
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from jaxrlhf.experiments import records  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "b"
 ROUND = 64
@@ -19,11 +23,12 @@ ROUND = 64
 def rounds(arm: str) -> list[list[list[dict]]]:
     """Per seed, its update records split into rounds of ROUND updates."""
     runs = []
-    for seed in sorted((HERE / arm).glob("seed*")):
-        if not (seed / "summary.json").exists():
+    for seed in records.runs(HERE / arm):
+        files = records.files(seed)
+        if "summary.json" not in files:
             continue
-        records = [json.loads(line) for line in (seed / "metrics.jsonl").read_text().splitlines()]
-        updates = [r for r in records if "step" in r and "reward_mean" in r]
+        lines = [json.loads(line) for line in files["metrics.jsonl"].splitlines()]
+        updates = [r for r in lines if "step" in r and "reward_mean" in r]
         last = max(r["step"] for r in updates)
         runs.append([[r for r in updates if lo <= r["step"] < lo + ROUND]
                      for lo in range(1, last + 1, ROUND)])  # fmt: skip

@@ -11,15 +11,19 @@ trained on, which at N = 64 are all the start model's.
 
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from jaxrlhf.experiments import records  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "b" / "online_dpo"
 KEYS = ("loss/chosen_rewards", "loss/rejected_rewards", "loss/margins", "loss/accuracy")
 
 
-def last_updates(metrics: Path, count: int = 8) -> list[dict]:
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r for r in records if "step" in r and KEYS[0] in r][-count:]
+def last_updates(metrics: str, count: int = 8) -> list[dict]:
+    lines = [json.loads(line) for line in metrics.splitlines()]
+    return [r for r in lines if "step" in r and KEYS[0] in r][-count:]
 
 
 def over_seeds(runs: list[list[dict]], key: str) -> float:
@@ -29,10 +33,11 @@ def over_seeds(runs: list[list[dict]], key: str) -> float:
 def main() -> None:
     print("| N | seeds | chosen | rejected | margin | pairs right | sample reward |")
     print("|---|---|---|---|---|---|---|")
-    arms = sorted((p for p in HERE.iterdir() if p.is_dir()), key=lambda p: int(p.name[1:]))
+    arms = sorted({run.parent for run in records.runs(HERE)}, key=lambda p: int(p.name[1:]))
     for arm in arms:
-        finished = sorted(s for s in arm.glob("seed*") if (s / "summary.json").exists())
-        runs = [last_updates(seed / "metrics.jsonl") for seed in finished]
+        finished = [records.files(s) for s in records.runs(arm)]
+        runs = [last_updates(files["metrics.jsonl"]) for files in finished
+                if "summary.json" in files]  # fmt: skip
         cells = [f"{over_seeds(runs, key):+.3f}" for key in KEYS[:3]]
         cells.append(f"{100 * over_seeds(runs, KEYS[3]):.0f}%")
         cells.append(f"{over_seeds(runs, 'reward_mean'):.3f}")

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from jaxrlhf.experiments import records  # noqa: E402
 from jaxrlhf.experiments.stats import compare, holm  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "c"
@@ -25,18 +26,19 @@ SIZES, NS = ("bed", "bed-m", "bed-l"), (1, 16, 64)
 
 def run(size: str, n: int, seed: int) -> dict | None:
     folder = HERE / size / f"N{n}" / f"seed{seed}"
-    if not (folder / "summary.json").exists():
+    files = records.files(folder)
+    if "summary.json" not in files:
         return None
-    summary = json.loads((folder / "summary.json").read_text())
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    after16 = [r["test_accuracy"] for r in records if r["step"] == 16 and "test_accuracy" in r]
+    summary = json.loads(files["summary.json"])
+    lines = [json.loads(line) for line in files["metrics.jsonl"].splitlines()]
+    after16 = [r["test_accuracy"] for r in lines if r["step"] == 16 and "test_accuracy" in r]
     return {"start": 100 * summary["test_accuracy_start"],
             "end": 100 * summary["test_accuracy_end"],
             "after16": 100 * after16[0] if after16 else None}  # fmt: skip
 
 
 def main() -> None:
-    seeds = sorted(int(p.name[4:]) for p in (HERE / "bed" / "N1").glob("seed*"))
+    seeds = sorted(int(p.name[4:]) for p in records.runs(HERE / "bed" / "N1"))
     runs = {s: {(z, n): run(z, n, s) for z in SIZES for n in NS} for s in seeds}
     seeds = [s for s in seeds if all(runs[s].values())]
     kept = {(z, n): [100 * (runs[s][z, n]["end"] - runs[s][z, n]["start"])

@@ -9,13 +9,16 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from jaxrlhf.experiments import records  # noqa: E402
+
 HERE = Path(__file__).resolve().parent / "f-workload"
 # The keys a candidate set; the rest of each command is claim (f)'s plan for Online DPO.
 KEYS = ("loss", "generator.max_num_seqs", "max_staleness", "rollout.prompts_per_batch")
 
 
-def overrides(run_log: Path) -> dict[str, str]:
-    command = run_log.read_text().splitlines()[0]
+def overrides(run_log: str) -> dict[str, str]:
+    command = run_log.splitlines()[0]
     found = dict(re.findall(r"--config\.([\w.]+)=(\S+)", command))
     return {key: found.get(key, "") for key in KEYS}
 
@@ -27,14 +30,14 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     rows = []
-    for folder in sorted(p for p in HERE.iterdir() if p.is_dir()):
-        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-        mixed = [r.get("mixed_version_fraction", 0.0) for r in records if "step" in r]
-        summary = folder / "summary.json"
+    for folder in records.runs(HERE):
+        files = records.files(folder)
+        lines = [json.loads(line) for line in files["metrics.jsonl"].splitlines()]
+        mixed = [r.get("mixed_version_fraction", 0.0) for r in lines if "step" in r]
         test = None
-        if summary.exists():
-            test = json.loads(summary.read_text()).get("eval_accuracy_end")
-        keys = overrides(folder / "run.log")
+        if "summary.json" in files:
+            test = json.loads(files["summary.json"]).get("eval_accuracy_end")
+        keys = overrides(files["run.log"])
         rows.append((sum(mixed) / len(mixed), folder.name, keys, len(mixed), test))
     for share, name, keys, steps, test in sorted(rows, key=lambda row: (row[2]["loss"], row[0])):
         after = "-" if test is None else f"{100 * test:.1f}"

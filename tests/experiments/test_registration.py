@@ -116,6 +116,29 @@ def test_a_plan_committed_with_its_first_records_is_post_hoc(tmp_path):
         "post hoc: plan.json changed after the claim's first record")  # fmt: skip
 
 
+def test_packed_records_keep_the_order_of_plan_and_records(tmp_path):
+    """Records committed as a pack (`records.pack`) are records: a plan before them is
+    pre-registered; one committed with them is post hoc."""
+    from jaxrlhf.experiments import records
+
+    git(tmp_path, "init", "-q")
+    folder = tmp_path / "b-tuning"
+    plan = planned(tmp_path)
+    registration.write_plan(folder, plan)
+    commit(tmp_path, "plan")
+    record(folder, "ppo")
+    records.pack(folder)
+    commit(tmp_path, "records packed")
+    assert registration.registration(folder, plan, []) == "pre-registered"
+    other = tmp_path / "other" / "b-tuning"
+    registration.write_plan(other, plan)
+    record(other, "ppo")
+    records.pack(other)
+    commit(tmp_path, "plan and packed records together")
+    assert registration.registration(other, plan, []) == (
+        "post hoc: plan.json changed after the claim's first record")  # fmt: skip
+
+
 def test_the_tuning_rule_takes_the_best_validation_and_breaks_ties_by_the_smaller_step(tmp_path):
     settings = Settings(seeds=(100, 101), steps=256, eval_every=64, losses=("grpo",))
     runs = PLANS["b-tuning"](settings, tmp_path)
@@ -143,16 +166,21 @@ def test_a_planned_run_keeps_its_seed_out_of_the_arms_overrides(tmp_path):
 
 def test_every_committed_plan_matches_its_records():
     """Each pre-registered claim's records ran as its plan says: every run's overrides are its
-    arm's (its folder and seed aside), on a planned seed."""
+    arm's (its folder and seed aside), on a planned seed. Runs loose or packed (`records`)."""
+    from jaxrlhf.experiments import records
     from tests.conftest import REPO
 
     plans = sorted((REPO / "results" / "claims").glob(f"*/{registration.PLAN}"))
     for path in plans:
         plan = registration.read_plan(path.parent)
         assert plan is not None, f"{path}: not a plan of this format"
-        for settings in path.parent.rglob("experiment.json"):  # in {arm}/seed{S}/
-            overrides = json.loads(settings.read_text())
-            arm = str(settings.parent.parent.relative_to(path.parent))
+        for run in records.runs(path.parent):  # {arm}/seed{S}/
+            settings = run / "experiment.json"
+            text = records.text(run, "experiment.json")
+            if text is None:
+                continue
+            overrides = json.loads(text)
+            arm = str(run.parent.relative_to(path.parent))
             assert arm in plan["arms"], f"{settings}: arm {arm} is not in {path}"
             assert overrides["seed"] in plan["seeds"], settings
             ran = {k: v for k, v in overrides.items() if k not in registration.RUN_KEYS}

@@ -9,8 +9,10 @@ Every run is `python -m jaxrlhf.main --config=configs/bed.py` (`jaxrlhf.models.b
 Llama trained from scratch on the arithmetic task, fast enough for tens of seeds on 2 CPU
 cores) with the overrides of its arm (`plans`), in `{out}/{claim}/{arm}/seed{S}/` (default
 `--out results/claims`): its metrics.jsonl, summary.json, experiment.json and run.log are the
-records, committed as they finish. A run whose folder holds a finished run with the same
-overrides is not run again, so the same command resumes a claim. `--report-only` reads the
+records, committed packed into `{out}/{claim}/records.jsonl.xz` (`jaxrlhf.experiments.records`:
+`python -m jaxrlhf.experiments.records pack results/claims/X`). A run whose folder holds a
+finished run with the same overrides, loose or packed, is not run again, so the same command
+resumes a claim in any clone. `--report-only` reads the
 records alone and writes `{out}/{claim}/claim.json` (rows, comparisons, verdict), `claim.png`
 and prints a markdown table; without `--claim`, the table of every claim
 (`{out}/claims.md`).

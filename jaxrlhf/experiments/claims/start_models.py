@@ -28,7 +28,7 @@ import re
 import shutil
 from pathlib import Path
 
-from jaxrlhf.experiments import REPO
+from jaxrlhf.experiments import REPO, records
 from jaxrlhf.models.built import COMPLETE, cache_dir, replaced
 
 COMMITTED = REPO / "results" / "claims" / "start-models"
@@ -96,9 +96,9 @@ def other_start(folder: Path, model: str, committed: Path = COMMITTED) -> bool:
     """Whether `folder` holds a finished run (summary.json) that began from another build of
     `model` than the committed one: a start accuracy differing from the build's `start.json`
     by 0.01 points or more (the resolution `analysis.start_of` pairs at)."""
-    summary = folder / "summary.json"
-    if not summary.exists():
+    summary = records.text(folder, "summary.json")
+    if summary is None:
         return False
-    ran = json.loads(summary.read_text())
+    ran = json.loads(summary)
     recorded = json.loads((committed_build(model, committed) / START).read_text())
     return any(ran.get(k) is None or round(ran[k] - recorded[k], 4) != 0 for k in START_KEYS)
