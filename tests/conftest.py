@@ -23,7 +23,7 @@ os.environ.setdefault("JAXRLHF_ENGINE_EXECUTOR", "uni")
 os.environ.setdefault("JAXRLHF_ENGINE_THREADS", "1")
 # JAX's persistent compilation cache, shared by both workers and every process they start: the
 # suite's many whole runs of the tiny config compile the same programs
-# (tests/test_supervised_resume.py: 34 s with an empty cache, 24 s with a warm one).
+# (tests/stages/test_supervised_resume.py: 34 s with an empty cache, 24 s with a warm one).
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "jax")
 )

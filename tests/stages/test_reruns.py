@@ -1,6 +1,6 @@
 """A recipe never reuses a stage built from other inputs (issue 59): what `decide` makes of the
 stage folders a run left, built here from real configs, real `made_by` records and a tiny
-export, with no training. The recipe end to end is in tests/test_recipe_chain.py."""
+export, with no training. The recipe end to end is in tests/stages/test_recipe_chain.py."""
 
 from __future__ import annotations
 

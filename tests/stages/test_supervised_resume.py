@@ -2,7 +2,7 @@
 checkpoint and resumed end with the weights (and optimizer state) of an uninterrupted run, bit
 for bit, and log each step once with the same figures.
 
-Tiny Llama on the toy No Robots-layout fixture (as tests/test_pipeline.py), real Orbax
+Tiny Llama on the toy No Robots-layout fixture (as tests/stages/test_pipeline.py), real Orbax
 checkpoints on the 8-device CPU mesh. The run is interrupted in its log callback at step 3:
 after the checkpoint of step 2, with step 3 trained and logged but not saved, as a run killed
 between two checkpoints.
