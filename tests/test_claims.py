@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from jaxrlhf.experiments.claims.analysis import arm_rows, by_arm, run_figures
+from jaxrlhf.experiments.claims.claim_registry import CLAIMS, claim
 from jaxrlhf.experiments.claims.figures import claims_table, markdown
-from jaxrlhf.experiments.claims.plans import PLANS, Settings, loss_cells
+from jaxrlhf.experiments.claims.losses_robust import loss_cells
+from jaxrlhf.experiments.claims.plans import Settings
 from jaxrlhf.experiments.claims.verdicts import analyse
 
 
@@ -34,7 +36,7 @@ def write_run(folder: Path, test: float, validation: float = 0.5, kl: float = 0.
 
 def test_async_as_good_pairs_by_seed_and_judges_by_the_interval(tmp_path):
     settings = Settings(seeds=(0, 1, 2), steps=4, eval_every=2)
-    runs = PLANS["a"](settings, tmp_path)
+    runs = claim("a").plan(settings, tmp_path)
     # sync 50, 60, 70 %; one-step-off 1, 2, 3 points higher; continuous 10, 11, 12 lower.
     for run in runs:
         sync = 0.5 + 0.1 * run.labels["seed"]
@@ -64,7 +66,7 @@ def test_async_as_good_pairs_by_seed_and_judges_by_the_interval(tmp_path):
 
 def test_an_accuracy_of_zero_is_a_figure_and_a_missing_one_is_nan(tmp_path):
     settings = Settings(seeds=(0, 1), steps=4, eval_every=2)
-    runs = [r for r in PLANS["a"](settings, tmp_path) if r.labels["arm"] == "sync"]
+    runs = [r for r in claim("a").plan(settings, tmp_path) if r.labels["arm"] == "sync"]
     for run in runs:  # a model that answers nothing right, before and after training
         write_run(run.folder, 0.0, validation=0.0, start=0.0)
     summary = json.loads((runs[1].folder / "summary.json").read_text())
@@ -81,7 +83,7 @@ def test_an_accuracy_of_zero_is_a_figure_and_a_missing_one_is_nan(tmp_path):
 
 def test_async_as_good_is_supported_only_above_the_margin(tmp_path):
     settings = Settings(seeds=tuple(range(6)), steps=4, eval_every=2)
-    runs = PLANS["a"](settings, tmp_path)
+    runs = claim("a").plan(settings, tmp_path)
     # every async arm within ±0.5 point of sync: both intervals lie above −2 points.
     for run in runs:
         noise = 0.005 * (-1) ** run.labels["seed"] if run.labels["arm"] != "sync" else 0.0
@@ -93,7 +95,7 @@ def test_async_as_good_is_supported_only_above_the_margin(tmp_path):
 
 def test_a_deficit_beyond_noise_inside_the_margin_is_as_good_and_named(tmp_path):
     settings = Settings(seeds=tuple(range(6)), steps=4, eval_every=2)
-    runs = PLANS["a"](settings, tmp_path)
+    runs = claim("a").plan(settings, tmp_path)
     # continuous 1.0 or 1.2 points below sync, alternately: mean −1.1, s.d. 0.1095, s.e.
     # 0.0447, 95% CI −1.1 ± 2.571 · 0.0447 = [−1.215, −0.985]: beyond noise (p < 1e-5, Holm
     # over 2 rejects it), wholly below 0, but above −2. One-step-off equals sync.
@@ -112,7 +114,7 @@ def test_a_deficit_beyond_noise_inside_the_margin_is_as_good_and_named(tmp_path)
 
 def test_a_pilot_gives_the_spread_and_the_seeds_it_needs(tmp_path):
     settings = Settings(seeds=(0, 1, 2, 3), steps=4, eval_every=2)
-    runs = PLANS["pilot"](settings, tmp_path)
+    runs = claim("pilot").plan(settings, tmp_path)
     # differences 0, 10, 0, 10 points: s.d. 5.774; t(0.975, n−1)·5.774/sqrt(n) <= 2 first at
     # n = 35 (2.032 · 5.774 / 5.916 = 1.983; at 34, 2.035 · 5.774 / 5.831 = 2.015).
     for run in runs:
@@ -125,7 +127,7 @@ def test_a_pilot_gives_the_spread_and_the_seeds_it_needs(tmp_path):
 def test_the_loss_claim_compares_falls_from_on_policy(tmp_path):
     settings = Settings(seeds=(0, 1, 2), steps=4, eval_every=2, losses=("online_dpo", "rloo"),
                         mini_batches=(1, 4), corrections=("none",))  # fmt: skip
-    runs = PLANS["b"](settings, tmp_path)
+    runs = claim("b").plan(settings, tmp_path)
     assert sorted({r.labels["arm"] for r in runs}) == ["online_dpo/N1", "online_dpo/N4",
                                                        "rloo/N1", "rloo/N4"]  # fmt: skip
     # Online DPO falls 2 points (60 -> 58); RLOO falls 10, 11, 12 (60 -> 50, 49, 48): RLOO's
@@ -139,11 +141,11 @@ def test_the_loss_claim_compares_falls_from_on_policy(tmp_path):
     assert only["beyond_noise"] and record["verdict"]["word"] == "supported"
     # With a fourth seed planned and not run, the same comparison stands, with no verdict yet.
     more = dataclasses.replace(settings, seeds=(0, 1, 2, 3))
-    part = analyse("b", PLANS["b"](more, tmp_path), more)
+    part = analyse("b", claim("b").plan(more, tmp_path), more)
     assert part["comparisons"] == record["comparisons"]
     assert part["verdict"]["word"] == "part-run"
     assert part["verdict"]["detail"] == "12 of 16 runs finished; the verdict waits for all of them"
-    row = claims_table({"b": part}, {"b": "(b)"}, {}).splitlines()[-1]
+    row = claims_table([(claim("b"), part)]).splitlines()[-1]
     assert row.endswith("| part-run (12 of 16 runs finished) |")
 
 
@@ -153,7 +155,7 @@ def test_a_seed_is_paired_only_within_one_start_model(tmp_path):
     sizes of claim (c) differ by design."""
     settings = Settings(seeds=(0, 1, 2, 3), steps=4, eval_every=2, losses=("online_dpo", "rloo"),
                         mini_batches=(1, 4), corrections=("none",))  # fmt: skip
-    runs = PLANS["b"](settings, tmp_path / "b")
+    runs = claim("b").plan(settings, tmp_path / "b")
     for run in runs:  # RLOO falls 10 + seed points, Online DPO 2: fall difference 8 + seed
         seed, arm = run.labels["seed"], run.labels["arm"]
         fall = {"online_dpo": 0.02, "rloo": 0.10 + 0.01 * seed}[run.labels["variant"]]
@@ -172,7 +174,7 @@ def test_a_seed_is_paired_only_within_one_start_model(tmp_path):
     )
     sizes = Settings(seeds=(0, 1), steps=4, eval_every=2, sizes=("bed", "bed-m"),
                      size_mini_batches=(1, 16))  # fmt: skip
-    c_runs = PLANS["c"](sizes, tmp_path / "c")
+    c_runs = claim("c").plan(sizes, tmp_path / "c")
     for run in c_runs:  # the larger starts higher and falls 1 point less
         large = run.labels["size"] == "bed-m"
         fall = (0.04 - 0.01 * large) if run.labels["num_mini_batches"] == 16 else 0.0
@@ -183,7 +185,7 @@ def test_a_seed_is_paired_only_within_one_start_model(tmp_path):
 
 def test_k4_against_k2_counts_updates_and_learner_seconds_to_the_target(tmp_path):
     settings = Settings(seeds=(0, 1, 2), steps=4, eval_every=2)
-    runs = PLANS["d"](settings, tmp_path)
+    runs = claim("d").plan(settings, tmp_path)
     # Both arms end at 50% validation: the target is 50% test. K2 ends at 60% test (30% at
     # step 2): it reaches the target at step 4, after 4 x 0.5 s. K4 ends at 100% (50% at step
     # 2: reached there, after 1 s) for seeds 0 and 1, and at 90% (45% at step 2) for seed 2.
@@ -208,7 +210,7 @@ def test_loss_cells_put_corrections_at_their_n_only():
                                     ("grpo", 16), ("grpo+none", 16), ("grpo+mask", 16)]  # fmt: skip
     # The control re-anchors π_old on the learner and corrects nothing; plain GRPO keeps the
     # sampler's log-probs.
-    runs = {r.labels["arm"]: r for r in PLANS["b"](settings, Path("/x"))}
+    runs = {r.labels["arm"]: r for r in claim("b").plan(settings, Path("/x"))}
     control = runs["grpo+none/N16"].overrides
     assert control["loss_params.old_logprobs"] == "learner"
     assert control["loss_params.is_correction"] == "none"
@@ -217,7 +219,7 @@ def test_loss_cells_put_corrections_at_their_n_only():
 
 def test_corrections_on_mixed_samples_are_measured_against_the_reanchored_control(tmp_path):
     settings = Settings(seeds=(0, 1, 2), steps=4, eval_every=2, corrections=("none", "mask"))
-    runs = PLANS["f"](settings, tmp_path)
+    runs = claim("f").plan(settings, tmp_path)
     assert [r.labels["arm"] for r in runs[:4]] == ["online_dpo", "grpo", "grpo+none", "grpo+mask"]
     # GRPO 50%; the control 2, 3, 4 points above it; mask −1, 0, +1 around the control;
     # Online DPO 10, 11, 12 below GRPO. Every run mixes versions in 40% of its samples.
@@ -249,14 +251,14 @@ def test_corrections_on_mixed_samples_are_measured_against_the_reanchored_contro
 
 def test_every_claim_plans_bed_runs_with_a_test_evaluation_at_the_end(tmp_path):
     settings = Settings(seeds=(3,), steps=64, eval_every=16)
-    for claim, plan in PLANS.items():
-        runs = plan(settings, tmp_path)
-        assert runs and all(r.overrides["seed"] == 3 for r in runs), claim
-        tuning = claim == "b-tuning"  # chooses on validation: the test split stays off
+    for spec in CLAIMS:
+        runs = spec.plan(settings, tmp_path)
+        assert runs and all(r.overrides["seed"] == 3 for r in runs), spec.name
+        tuning = spec.name == "b-tuning"  # chooses on validation: the test split stays off
         assert all(r.overrides["eval.test"] != tuning and r.overrides["eval.at_end"]
                    for r in runs)  # fmt: skip
         # (the pilot's runs are (a)'s sync and one-step-off runs: they count there too)
-        home = "a" if claim == "pilot" else claim
+        home = "a" if spec.name == "pilot" else spec.name
         assert {r.folder.relative_to(tmp_path).parts[0] for r in runs} == {home}
 
 
@@ -327,7 +329,7 @@ def test_rerun_other_starts_reruns_only_the_runs_from_another_build(tmp_path, mo
 
     out = (tmp_path / "claims").resolve()
     base = ["--claim", "c", "--seeds", "0", "--out", str(out), "--arms", "bed/*"]
-    plan = cli.PLANS["c"](cli.settings_of(cli.parse_args(base), "c"), out)
+    plan = claim("c").plan(cli.settings_of(cli.parse_args(base), "c"), out)
     committed = json.loads((committed_build("bed") / START).read_text())
     earlier = {"test_accuracy_start": 0.32932692766189575,
                "eval_accuracy_start": 0.37484118342399597}  # fmt: skip

@@ -138,15 +138,16 @@ def claim_reports() -> list[Path]:
 @pytest.mark.parametrize("path", claim_reports(), ids=lambda p: p.parent.name)
 def test_each_claim_report_counts_the_runs_its_records_hold(path):
     """Each arm's finished seeds in claim.json are the planned runs the records hold finished."""
-    from jaxrlhf.experiments.claims import PLANS, Settings
     from jaxrlhf.experiments.claims.analysis import by_arm
+    from jaxrlhf.experiments.claims.claim_registry import claim
+    from jaxrlhf.experiments.claims.plans import Settings
 
     report = json.loads(path.read_text())
     saved = report["settings"]
     settings = Settings(seeds=tuple(saved["seeds"]), steps=saved["steps"],
                         eval_every=saved["eval_every"],
                         passthrough=tuple(saved["passthrough"].items()))  # fmt: skip
-    arms = by_arm(PLANS[path.parent.name](settings, path.parent.parent))
+    arms = by_arm(claim(path.parent.name).plan(settings, path.parent.parent))
     for row in report["rows"]:
         assert len(arms[row["arm"]]) == row["seeds"], (path, row["arm"])
 

@@ -11,20 +11,21 @@ from pathlib import Path
 import pytest
 
 from jaxrlhf.experiments.claims import registration, tuning
-from jaxrlhf.experiments.claims.__main__ import SPECS, main
-from jaxrlhf.experiments.claims.plans import PLANS, Settings
+from jaxrlhf.experiments.claims.__main__ import main
+from jaxrlhf.experiments.claims.claim_registry import claim
+from jaxrlhf.experiments.claims.plans import Settings
 from jaxrlhf.experiments.runner import PlannedRun
 
 SETTINGS = Settings(seeds=(100, 101), steps=tuning.STEPS, eval_every=64)
 
 
 def planned(out: Path, settings: Settings = SETTINGS) -> dict:
-    runs = PLANS["b-tuning"](settings, out)
-    return registration.build_plan("b-tuning", settings, runs, SPECS["b-tuning"])
+    runs = claim("b-tuning").plan(settings, out)
+    return registration.build_plan("b-tuning", settings, runs, claim("b-tuning").registration)
 
 
 def test_the_tuning_plan_runs_each_loss_on_policy_on_validation_alone(tmp_path):
-    runs = PLANS["b-tuning"](SETTINGS, tmp_path)
+    runs = claim("b-tuning").plan(SETTINGS, tmp_path)
     per_loss = {loss: 2 * len(tuning.LEARNING_RATES) * 2 for loss in tuning.SECOND}
     assert len(runs) == sum(per_loss.values())  # 3 rates x 2 second settings x 2 seeds a loss
     for run in runs:
@@ -36,7 +37,8 @@ def test_the_tuning_plan_runs_each_loss_on_policy_on_validation_alone(tmp_path):
         assert o[key] in values and o["train.learning_rate"] in tuning.LEARNING_RATES
     plan = planned(tmp_path)
     assert plan["seeds"] == [100, 101] and len(plan["arms"]) == 24
-    assert plan["rule"] == {"name": "best_on_validation", "params": SPECS["b-tuning"]["params"]}
+    params = claim("b-tuning").registration["params"]
+    assert plan["rule"] == {"name": "best_on_validation", "params": params}
     assert "output_dir" not in plan["arms"]["online_dpo/lr1.5e-05/beta0.1"]
 
 
@@ -141,7 +143,7 @@ def test_packed_records_keep_the_order_of_plan_and_records(tmp_path):
 
 def test_the_tuning_rule_takes_the_best_validation_and_breaks_ties_by_the_smaller_step(tmp_path):
     settings = Settings(seeds=(100, 101), steps=256, eval_every=64, losses=("grpo",))
-    runs = PLANS["b-tuning"](settings, tmp_path)
+    runs = claim("b-tuning").plan(settings, tmp_path)
     score = {"grpo/lr5e-06/kl_coef0.02": 40.0, "grpo/lr1.5e-05/kl_coef0.02": 55.0,
              "grpo/lr1.5e-05/kl_coef0.05": 55.0, "grpo/lr4.5e-05/kl_coef0.02": 30.0}  # fmt: skip
     arms: dict[str, dict[int, dict]] = {}
@@ -160,7 +162,7 @@ def test_the_tuning_rule_takes_the_best_validation_and_breaks_ties_by_the_smalle
 
 def test_a_planned_run_keeps_its_seed_out_of_the_arms_overrides(tmp_path):
     run = PlannedRun({"arm": "x", "seed": 3}, tmp_path, {"seed": 3, "output_dir": "o", "a": 1})
-    plan = registration.build_plan("b-tuning", SETTINGS, [run], SPECS["b-tuning"])
+    plan = registration.build_plan("b-tuning", SETTINGS, [run], claim("b-tuning").registration)
     assert plan["arms"] == {"x": {"a": 1}}
 
 

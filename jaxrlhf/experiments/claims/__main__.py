@@ -10,24 +10,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxrlhf.experiments import CONFIGS
-from jaxrlhf.experiments.claims import PAPER, PLANS, TITLES, registration, start_models, tuning
+from jaxrlhf.experiments.claims import claim_registry, registration, start_models
 from jaxrlhf.experiments.claims.analysis import by_arm
 from jaxrlhf.experiments.claims.figures import claims_table, markdown, plot_claim
 from jaxrlhf.experiments.claims.plans import Settings
 from jaxrlhf.experiments.claims.verdicts import analyse
 from jaxrlhf.experiments.runner import Runner, parse_passthrough, parse_seeds
 
-ORDER = ("pilot", "a", "b", "c", "d", "e", "f")  # the claims table's rows
-# Claims registered before their runs (`registration`): the measure, rule and families of the
-# plan, and the command line's defaults.
-SPECS = {"b-tuning": tuning.RULE}
-DEFAULTS = {"b-tuning": {"seeds": tuning.SEEDS, "steps": tuning.STEPS, "eval_every": 64}}
+# The command line's settings unless the claim's spec says otherwise (`ClaimSpec.defaults`).
+DEFAULTS = {"seeds": "0-9", "steps": 64, "eval_every": 16}
 
 
 def parse_args(argv: Sequence[str] | None):
     parser = argparse.ArgumentParser(prog="python -m jaxrlhf.experiments.claims",
                                      description=__doc__)  # fmt: skip
-    parser.add_argument("--claim", choices=(*ORDER, *SPECS), help="the claim to run or report")
+    parser.add_argument("--claim", choices=claim_registry.names(),
+                        help="the claim to run or report")  # fmt: skip
     parser.add_argument("--seeds", default=None,
                         help='e.g. "0-19" or "0,1,2" (default 0-9, or the claim\'s own; with '
                              "--report-only, the seeds the claim last recorded)")  # fmt: skip
@@ -64,7 +62,7 @@ def settings_of(args, claim: str) -> Settings:
         return Settings(seeds=tuple(saved["seeds"]), steps=saved["steps"],
                         eval_every=saved["eval_every"],
                         passthrough=tuple(saved["passthrough"].items()))  # fmt: skip
-    defaults = {"seeds": "0-9", "steps": 64, "eval_every": 16, **DEFAULTS.get(claim, {})}
+    defaults = {**DEFAULTS, **claim_registry.claim(claim).defaults}
     return Settings(seeds=tuple(parse_seeds(args.seeds or defaults["seeds"])),
                     steps=args.steps or defaults["steps"],
                     eval_every=args.eval_every or defaults["eval_every"],
@@ -73,15 +71,17 @@ def settings_of(args, claim: str) -> Settings:
 
 def run_claim(claim: str, args) -> dict:
     """Runs the claim's missing runs (unless `--report-only`), then analyses its records."""
+    spec = claim_registry.claim(claim)
     settings = settings_of(args, claim)
     out = Path(args.out).resolve()
-    runs = PLANS[claim](settings, out)
+    runs = spec.plan(settings, out)
     planned = None
-    if claim in SPECS:
-        planned = registration.build_plan(claim, settings, runs, SPECS[claim])
+    if spec.registration is not None:
+        planned = registration.build_plan(claim, settings, runs, spec.registration)
     if args.write_plan:
         if planned is None:
-            sys.exit(f"claim {claim} has no registration spec (SPECS): its plan is its code")
+            sys.exit(f"claim {claim} has no registration (ClaimSpec.registration): its plan is "
+                     "its code")  # fmt: skip
         path = registration.write_plan(out / claim, planned)
         print(f"[claim {claim}] wrote {path}: commit it before the first run", flush=True)
         return {}
@@ -109,7 +109,7 @@ def run_claim(claim: str, args) -> dict:
     if planned is not None and "verdict" in record:
         names = [c["name"] for c in record.get("comparisons", [])]
         record["verdict"]["registration"] = registration.registration(out / claim, planned, names)
-    record |= {"title": TITLES[claim], "paper": PAPER.get(claim, "-"),
+    record |= {"title": spec.title, "paper": spec.paper,
                "settings": {"seeds": list(settings.seeds), "steps": settings.steps,
                             "eval_every": settings.eval_every,
                             "passthrough": dict(settings.passthrough)}}  # fmt: skip
@@ -117,7 +117,7 @@ def run_claim(claim: str, args) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "claim.json").write_text(json.dumps(record, indent=2))
     curves = {arm: [f["curve"] for f in seeds.values()] for arm, seeds in by_arm(runs).items()}
-    plot_claim(record, curves, folder / "claim.png", TITLES[claim])
+    plot_claim(record, curves, folder / "claim.png", spec.title)
     return record
 
 
@@ -127,18 +127,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         record = run_claim(args.claim, args)
         if args.write_plan:
             return
-        print(f"## {TITLES[args.claim]}\n")
+        print(f"## {claim_registry.claim(args.claim).title}\n")
         print(markdown(record))
         print(f"\nrecords: {Path(args.out) / args.claim}; figure: claim.png there")
         return
     out = Path(args.out)
-    records = {c: json.loads((out / c / "claim.json").read_text())
-               for c in ORDER if (out / c / "claim.json").exists()}  # fmt: skip
-    if not records:
+    recorded = {s.name: out / s.name / "claim.json" for s in claim_registry.table()}
+    if not any(path.exists() for path in recorded.values()):
         sys.exit(f"no claim recorded in {out}: run one with --claim")
-    for claim in ORDER:  # a claim not run yet keeps its row
-        records.setdefault(claim, {"verdict": {"word": "not run yet"}})
-    table = claims_table(records, TITLES, PAPER)
+    rows = [(spec, json.loads(recorded[spec.name].read_text()) if recorded[spec.name].exists()
+             else {"verdict": {"word": "not run yet"}})  # a claim not run yet keeps its row
+            for spec in claim_registry.table()]  # fmt: skip
+    table = claims_table(rows)
     (out / "claims.md").write_text(table + "\n")
     print(table)
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxrlhf.experiments import save_figure
 from jaxrlhf.experiments.stats import format_mean_stderr, t_quantile
+
+if TYPE_CHECKING:
+    from jaxrlhf.experiments.claims.claim_spec import ClaimSpec
 
 
 def half_width(stderr: float, seeds: int) -> float:
@@ -116,15 +119,12 @@ def markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def claims_table(records: dict[str, dict[str, Any]], titles: dict[str, str],
-                 paper: dict[str, str]) -> str:  # fmt: skip
-    """The claims table: the paper's claim and figure, ours (the claim's headline comparison:
-    mean, 95% interval, seeds) and the verdict."""
+def claims_table(rows: Sequence[tuple[ClaimSpec, dict[str, Any]]]) -> str:
+    """The claims table, a row per (claim, its record): the paper's claim and figure, ours (the
+    claim's headline comparison: mean, 95% interval, seeds) and the verdict."""
     lines = ["| claim | the paper's figure | ours (points: mean [95% CI], seeds) | verdict |",
              "|---|---|---|---|"]  # fmt: skip
-    for claim, record in records.items():
-        if claim == "pilot":
-            continue
+    for spec, record in rows:
         findings = [f for f in record.get("comparisons", []) if f["seeds"] >= 2]
         ours = "; ".join(f"{f['name']}: {f['mean']:+.1f} [{f['low']:+.1f}, {f['high']:+.1f}], "
                          f"{f['seeds']}" for f in findings[:4])  # fmt: skip
@@ -134,5 +134,5 @@ def claims_table(records: dict[str, dict[str, Any]], titles: dict[str, str],
         verdict = record.get("verdict", {}).get("word", "-")
         if verdict == "part-run":  # how far it is: "N of M runs finished"
             verdict += f" ({record['verdict']['detail'].split(';')[0]})"
-        lines.append(f"| {titles[claim]} | {paper.get(claim, '-')} | {ours} | {verdict} |")
+        lines.append(f"| {spec.title} | {spec.paper} | {ours} | {verdict} |")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""(b)'s tuning: each loss at its own best settings, chosen on validation before (b) runs.
+"""Claim b-tuning, (b)'s tuning: each loss at its own best settings, chosen on validation
+before (b) runs; pre-registered (`RULE`, `registration`).
 
 Every loss runs on its own on-policy arm (N = 1: synchronous, one mini-batch a round) over a
 grid of `LEARNING_RATES` and its second setting (`SECOND`: Online DPO's β; the KL
@@ -15,8 +16,14 @@ then the smaller second setting. The chosen settings go into (b)'s plan.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from jaxrlhf.experiments.claims.analysis import Verdict
+from jaxrlhf.experiments.claims.claim_spec import ClaimSpec
+from jaxrlhf.experiments.claims.plans import Settings, planned_run
+from jaxrlhf.experiments.runner import PlannedRun
 from jaxrlhf.experiments.stats import mean_stderr
 
 STEPS = 256
@@ -75,3 +82,46 @@ def best_on_validation(arms: dict[str, dict[int, dict[str, Any]]], runs) -> dict
             chosen[loss] = {"arm": arm, "settings": settings, "validation": mean,
                             "validation_stderr": stderr}  # fmt: skip
     return chosen
+
+
+def plan_tuning(settings: Settings, out: Path):
+    """Each loss's grid points on its own on-policy arm, test split off (module docstring)."""
+    on_policy = {"num_mini_batches": 1, "rollout.prompts_per_batch": PROMPTS_PER_BATCH,
+                 "eval.test": False, "eval.test_every": 0}  # fmt: skip
+    return [
+        planned_run(
+            out,
+            "b-tuning",
+            arm,
+            seed,
+            settings,
+            {**on_policy, **overrides},
+            {"loss": overrides["loss"]},
+        )  # fmt: skip
+        for seed in settings.seeds
+        for arm, overrides in grid(settings.losses)
+    ]
+
+
+def tuning_record(arms, runs: Sequence[PlannedRun], settings: Settings) -> dict[str, Any]:
+    """(b)'s tuning: the settings chosen per loss (`best_on_validation`)."""
+    chosen = best_on_validation(arms, runs)
+    losses = list(dict.fromkeys(run.labels["loss"] for run in runs))
+    detail = "; ".join(f"{loss}: {c['arm'].split('/', 1)[1]} ({c['validation']:.1f} ± "
+                       f"{c['validation_stderr']:.1f} on validation)"
+                       for loss, c in chosen.items())  # fmt: skip
+    word = "tuned" if len(chosen) == len(losses) else "part-run"
+    return {"chosen": chosen, "comparisons": [], "family_size": 0,
+            "verdict": Verdict(word, detail or "no loss finished").as_dict()}  # fmt: skip
+
+
+SPEC = ClaimSpec(
+    name="b-tuning",
+    title="(b) tuning: each loss's learning rate and β or KL coefficient, on validation",
+    paper="set per loss (Online DPO 3e-6 with β 0.05; PPO 1e-6)",
+    plan=plan_tuning,
+    analysis=tuning_record,
+    table_row=False,
+    registration=RULE,
+    defaults={"seeds": SEEDS, "steps": STEPS, "eval_every": 64},
+)

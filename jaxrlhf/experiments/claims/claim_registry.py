@@ -1,0 +1,57 @@
+"""The claims by name, in the claims table's order: adding a claim is its module (a `SPEC`:
+`claim_spec.ClaimSpec`) and one line here. The command (`__main__`), the analysis
+(`verdicts.analyse`) and the table read a claim's entry alone."""
+
+from __future__ import annotations
+
+from jaxrlhf.experiments.claims import (
+    async_as_good,
+    corrections_mixed,
+    losses_robust,
+    pilot,
+    samples_sooner,
+    sizes_robust,
+    tuning,
+    updates_per_batch,
+)
+from jaxrlhf.experiments.claims.claim_spec import ClaimSpec
+
+CLAIMS: tuple[ClaimSpec, ...] = (
+    pilot.SPEC,  # sizes (a)'s seeds
+    async_as_good.SPEC,  # (a)
+    losses_robust.SPEC,  # (b)
+    sizes_robust.SPEC,  # (c)
+    samples_sooner.SPEC,  # (d)
+    updates_per_batch.SPEC,  # (e)
+    corrections_mixed.SPEC,  # (f)
+    tuning.SPEC,  # b-tuning: (b)'s settings, pre-registered
+)
+
+
+def names() -> tuple[str, ...]:
+    """Every claim's name, in order (what `--claim` takes)."""
+    return tuple(spec.name for spec in CLAIMS)
+
+
+def table() -> tuple[ClaimSpec, ...]:
+    """The claims with a row in the claims table, in order."""
+    return tuple(spec for spec in CLAIMS if spec.table_row)
+
+
+def claim(name: str) -> ClaimSpec:
+    """The registered claim called `name`; ValueError listing the known claims otherwise."""
+    for spec in CLAIMS:
+        if spec.name == name:
+            return spec
+    raise ValueError(f"unknown claim {name!r}; known claims: {', '.join(names())}")
+
+
+def check(claims: tuple[ClaimSpec, ...]) -> None:
+    """Raise ValueError if two claims share a name."""
+    seen = [spec.name for spec in claims]
+    doubled = sorted({name for name in seen if seen.count(name) > 1})
+    if doubled:
+        raise ValueError(f"claims registered twice: {', '.join(doubled)}")
+
+
+check(CLAIMS)
