@@ -17,7 +17,7 @@ from jaxrlhf.experiments.claims.__main__ import main
 from jaxrlhf.experiments.claims.analysis import Finding, Verdict, family, interval, paired
 from jaxrlhf.experiments.claims.claim_spec import ClaimSpec
 from jaxrlhf.experiments.claims.plans import Settings, planned_run
-from tests.test_claims import write_run
+from tests.experiments.test_claims import write_run
 
 
 def test_every_registered_claim_has_a_complete_spec_in_its_own_module(tmp_path):

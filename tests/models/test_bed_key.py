@@ -112,8 +112,8 @@ def test_the_code_that_trains_the_bed_is_pinned():
         "step), raise RECIPE_VERSION in jaxrlhf/models/bed.py: every cached bed is built "
         "again, and the claims' committed start models (results/claims/start-models) must be "
         "renamed to the new digest, each with its bed.json's digest, as "
-        "tests/test_claims.py::test_the_committed_start_models_are_the_recipes_builds then "
-        "asks:\n" + "\n".join(_renames()) + "\nEither way, set PINNED in "
+        "tests/experiments/test_claims.py::test_the_committed_start_models_are_the_recipes_builds "
+        "then asks:\n" + "\n".join(_renames()) + "\nEither way, set PINNED in "
         f"tests/models/test_bed_key.py to {now!r}."
     )
 

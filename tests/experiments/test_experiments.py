@@ -1,6 +1,7 @@
 """The pure parts of the experiment drivers, on hand-made run outputs (no engine, no training):
 bench/async_speedup.py's figures, the seed statistics, and the offpolicy and async_vs_sync
-experiments' aggregation, choice and plots (their real runs: tests/test_experiment_runs.py)."""
+experiments' aggregation, choice and plots (their real runs:
+tests/experiments/test_experiment_runs.py)."""
 
 import importlib.util
 import json

@@ -2,7 +2,7 @@
 
 Each drives real `python -m jaxrlhf.main` runs against the suite's shared generator service,
 for a step or two, and reads back what it wrote: so that none of them can break silently
-(their pure parts are tested by hand in tests/test_experiments.py).
+(their pure parts are tested by hand in tests/experiments/test_experiments.py).
 """
 
 import json
@@ -43,7 +43,7 @@ def in_flight_server(tiny_llama, tmp_path_factory):
 @pytest.mark.slow
 def test_offpolicy_experiment_runs(generator_address, tmp_path):
     # On the suite's shared service (what a run does when its service dies, by hand:
-    # tests/test_experiments.py::test_a_run_whose_service_died_runs_again_on_a_new_one).
+    # tests/experiments/test_experiments.py::test_a_run_whose_service_died_runs_again_on_a_new_one).
     out = run(["-m", "jaxrlhf.experiments.offpolicy", "--model", "tiny", "--losses", "rloo",
                "--mini-batches", "1,2", "--steps", "2", "--seeds", "0", "--out",
                str(tmp_path / "x"), "--generator-addresses", generator_address,
@@ -182,8 +182,8 @@ def test_pipeline_modes_bench_runs_each_mode_end_to_end(
     """The three modes on a shortened long-tail workload, against the running services it is
     given: sync and one-step-off share the draining one, continuous runs on the in-flight one
     (each run publishes its own weights first; how the runner starts and replaces services is
-    tested by hand in tests/test_experiments.py); every token within the bound, every response
-    within its budget."""
+    tested by hand in tests/experiments/test_experiments.py); every token within the bound, every
+    response within its budget."""
     generators = f"drain={generator_address},in-flight-keep={in_flight_server.address}"
     out = run(["bench/pipeline_modes.py", "--workload", "long-tail", "--steps", "3",
                "--warmup", "1", "--out", str(tmp_path), "--generators", generators,
