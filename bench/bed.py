@@ -23,7 +23,7 @@ default bed's (the rule that chose `STEPS`).
 
 `--config.KEY=VALUE` arguments pass through to every run. One JSON line per size. Nothing
 else should run on the machine meanwhile (timings).
-`--sft-steps` and `--steps` shrink everything for the smoke test (tests/test_bench.py).
+`--sft-steps` and `--steps` shrink everything for the smoke test (tests/bench/test_bench.py).
 """
 
 from __future__ import annotations
