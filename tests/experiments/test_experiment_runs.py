@@ -209,7 +209,8 @@ def test_pipeline_modes_bench_runs_each_mode_end_to_end(
 
 # An arm of each claim (`--arms`), so that every claim's plan, runs and report are exercised.
 CLAIM_ARMS = {"pilot": "sync", "a": "continuous", "b": "grpo+mask/N16", "c": "bed/N1", "d": "K2",
-              "e": "U2", "f": "grpo+mask", "b-tuning": "ppo/lr5e-06/kl_coef0.02"}  # fmt: skip
+              "e": "U2", "f": "grpo+mask", "b-tuning": "ppo/lr5e-06/kl_coef0.02",
+              "a-steps": "lr0.0001/one-step-off"}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -219,7 +220,10 @@ def test_every_claim_runs(generator_address, in_flight_server, tiny_llama, tmp_p
     context), then the claims table from the records alone. The claims command runs in this
     process (its runs are `jaxrlhf.main` subprocesses, as ever), which saves seven start-ups:
     its command line is tested once as typed, by the report below."""
+    from jaxrlhf.experiments.claims import claim_registry
     from jaxrlhf.experiments.claims.__main__ import main as claims_main
+
+    assert set(CLAIM_ARMS) == set(claim_registry.names())  # no claim goes without its smoke run
 
     monkeypatch.setenv("XLA_FLAGS", "")  # the runs' environment, as `run` gives it
     generators = f"drain={generator_address},in-flight-keep={in_flight_server.address}"
@@ -230,7 +234,7 @@ def test_every_claim_runs(generator_address, in_flight_server, tiny_llama, tmp_p
         command = ["--claim", claim, "--arms", arms, "--seeds", "0", "--steps", "2",
                    "--eval-every", "1", "--out", str(tmp_path), "--generator-addresses",
                    generators, *tiny]  # fmt: skip
-        if claim == "b-tuning":  # pre-registered: its plan first
+        if claim_registry.claim(claim).registration:  # pre-registered: its plan first
             claims_main([*command, "--write-plan"])
         claims_main(command)
         assert f"records: {tmp_path / claim}" in capsys.readouterr().out

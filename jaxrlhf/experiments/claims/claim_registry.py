@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxrlhf.experiments.claims import (
     async_as_good,
+    async_step_sizes,
     corrections_mixed,
     losses_robust,
     pilot,
@@ -19,6 +20,7 @@ from jaxrlhf.experiments.claims.claim_spec import ClaimSpec
 CLAIMS: tuple[ClaimSpec, ...] = (
     pilot.SPEC,  # sizes (a)'s seeds
     async_as_good.SPEC,  # (a)
+    async_step_sizes.SPEC,  # a-steps: (a) at three step sizes, pre-registered
     losses_robust.SPEC,  # (b)
     sizes_robust.SPEC,  # (c)
     samples_sooner.SPEC,  # (d)
