@@ -233,6 +233,10 @@ def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
     except ValueError as error:
         raise ConfigError(f"{error} (loss {name!r}: {items} items per update)") from None
     _require(config.max_staleness >= 0, f"config.max_staleness={config.max_staleness}: >= 0")
+    _require(
+        config.eval.kl_prompts >= 0,
+        f"config.eval.kl_prompts={config.eval.kl_prompts}: must be >= 0 (0 = off)",
+    )
     _require(config.sync_every >= 1, f"config.sync_every={config.sync_every}: >= 1")
     _require(
         config.max_staleness >= config.sync_every - 1,

@@ -221,6 +221,13 @@ def eval_keys() -> dict:
         every=0,
         test=True,
         test_every=0,
+        # How far the policy moved: at each validation evaluation (and at the end), the KL of
+        # the served policy from the reference on its own samples of the first `kl_prompts`
+        # validation prompts (one sample each at rollout.temperature: mean over samples of
+        # Σ_t log π − log π_ref; metrics.jsonl: policy_kl, summary.json: policy_kl_end).
+        # 0 = off; only in a run with a reference model. Unlike each step's `kl` (the sampler's,
+        # on the training batch) it sees the learner's drift at any staleness.
+        kl_prompts=0,
         # `python -m jaxrlhf.evaluate`: win rate against the references under this gold reward
         # model ("" = no win rate), and the KL proxy: this model's perplexity on the policy's
         # responses ("" = config.model.path, the model the run started from).

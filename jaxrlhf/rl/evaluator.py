@@ -21,7 +21,7 @@ from jaxrlhf.rl.eval_cache import EvaluationCache, folder_digest
 from jaxrlhf.rl.learner import Learner
 from jaxrlhf.rl.metrics import MetricsWriter
 from jaxrlhf.rl.publisher import Publisher
-from jaxrlhf.rl.rollout import PromptItem
+from jaxrlhf.rl.rollout import PromptItem, Rollout
 from jaxrlhf.rl.tasks import Task
 
 _SPLIT_NAMES = {"eval": "validation", "test": "test"}
@@ -189,7 +189,34 @@ class Evaluator:
             return {}
         evaluation = self.evaluate(due)
         out = {self.key(split): float(np.mean(s)) for split, s in evaluation.scores.items()}
+        if "eval" in due:
+            out |= self.policy_kl("policy_kl")
         return out | self.placed(evaluation.versions)
+
+    def policy_kl(self, key: str) -> dict[str, float]:
+        """{key: the KL of the served policy from the reference on its own samples} of the
+        first `eval.kl_prompts` validation prompts, one sample each at the rollout's
+        temperature (`Learner.sample_kl`; seeded as the run's batches are); {} when off or
+        without a reference."""
+        count, learner = self.cfg.eval.kl_prompts, self.publisher.learner
+        if not count or learner.ref_params is None:
+            return {}
+        prompts = self.task.eval_prompts[:count]
+        sampling: dict[str, Any] = dict(
+            n=1,
+            temperature=self.cfg.rollout.temperature,
+            max_tokens=self.cfg.rollout.max_response_tokens,
+        )
+        if self.cfg.rollout.seeded and not self.cfg.rollout.continuous:
+            sampling["seed"] = self.cfg.seed
+
+        def generate():
+            return self.publisher.pool.generate([p.token_ids for p in prompts], sampling)
+
+        with self.writer.paused() if self.writer is not None else contextlib.nullcontext():
+            samples = self.publisher.in_background(generate if is_driver() else None)
+        kl = learner.sample_kl(Rollout(0, list(prompts), samples, 0, 0.0), self.task.pad_id)
+        return {key: kl}
 
     def placed(self, versions: frozenset[int]) -> dict[str, int]:
         """`evaluated_updates`: the updates in the weights an evaluation measured, read from the
@@ -214,4 +241,6 @@ class Evaluator:
             out[f"{self.key(split)}_end"] = float(np.mean(scores))
             out[f"{self.key(split)}_end_stderr"] = standard_error(scores)
             out[f"{split}_prompts"] = len(scores)
+        if "eval" in self.splits:
+            out |= self.policy_kl("policy_kl_end")
         return out

@@ -192,6 +192,21 @@ class Learner:
         out[rows] *= mask[rows]
         return out
 
+    def sample_kl(self, rollout: Rollout, pad_id: int) -> float | None:
+        """Mean over `rollout`'s samples of Σ_t (log π − log π_ref) on response tokens, π the
+        policy that sampled them (their sampler log-probs, at the rollout's temperature): the
+        KL of the sampling policy from the reference on its own samples (unbiased). None
+        without a reference model."""
+        if self.ref_params is None:
+            return None
+        arrays = self.arrays(rollout, pad_id)
+        ids, attention = shard_global(
+            {"i": arrays.input_ids, "m": arrays.attention_mask}, self.mesh
+        ).values()
+        ref = to_host(self.logprobs(self.ref_params, ids, attention))
+        per_sample = ((arrays.sampler_logprobs - ref) * arrays.loss_mask).sum(axis=-1)
+        return float(per_sample.mean())
+
     def learn(self, rollout: Rollout, task: Task) -> dict[str, Any]:
         """One optimizer update on `rollout`; returns its metrics (module docstring)."""
         arrays = self.arrays(rollout, task.pad_id)

@@ -41,7 +41,8 @@ INPUT_KEYS = ("model.path", "task.reward_model", "loss_params.value_model_path")
 # Keys (or sections, with every key under them) that cannot change what a stage trains.
 IGNORED = (
     "output_dir", "resume", "recipe", "sft", "reward", "learner_cpus", "checkpoint.every",
-    "eval.every", "eval.test_every", "train.log_every", "train.log_samples_returned",
+    "eval.every", "eval.test_every", "eval.kl_prompts", "train.log_every",
+    "train.log_samples_returned",
     "generator.addresses", "generator.auth_token_env", "generator.cpus",
     "generator.generate_timeout_s", "generator.update_timeout_s", "generator.status_timeout_s",
     "generator.probe_interval_s", "distributed.coordinator_address", "distributed.process_id",

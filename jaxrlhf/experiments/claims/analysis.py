@@ -72,6 +72,9 @@ def run_figures(run: PlannedRun, last: int = 5) -> dict[str, Any] | None:
         "validation_start": points("eval_accuracy_start"),
         "model": model_of(run.overrides),
         "kl": mean_of("kl", tail),
+        # The served policy's KL from the reference on its own samples of held-out prompts at
+        # the end (`eval.kl_prompts`; NaN in runs without it).
+        "policy_kl": summary.get("policy_kl_end", math.nan),
         "curve": run_curve(records, summary, sync_every(run.overrides)),
         "learner_seconds": sum(r["step_s"] for r in records),
         "wall_seconds": summary.get("wall_seconds"),

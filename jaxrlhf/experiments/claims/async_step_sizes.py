@@ -12,7 +12,8 @@ comparisons (one-step-off − sync, continuous − sync, final test accuracy, pa
 corrected by Holm's procedure; a step size's verdict is (a)'s rule with its 2-point margin
 (`async_as_good.async_as_good`). Reported beside each, not judged: each async arm's wall-time
 speed-up over sync (sync's wall seconds over the arm's, per seed: geometric mean and 95% t
-interval of the logs) and the KL to the start model each arm reached.
+interval of the logs) and the KL from the start model each arm's final policy reached on its
+own samples of held-out prompts (`eval.kl_prompts`).
 
 Online DPO has no importance ratio, so the corrections (`loss_params.is_correction`) do not
 apply to it: whether a correction buys back what staleness costs is a question for a ratio
@@ -51,7 +52,9 @@ RULE = {
         "reported, not judged": [
             "wall-time speed-up over sync: sync's wall seconds / the arm's, per seed; "
             "geometric mean and 95% t interval of the logs",
-            "KL to the start model: the sampler's batch KL, mean of the last 5 updates",
+            "KL to the start model: the final policy's on its own samples of 256 validation "
+            "prompts (summary.json policy_kl_end, configs/bed.py eval.kl_prompts), mean over "
+            "seeds, per arm",
         ],
     },
     "families": {
@@ -91,6 +94,17 @@ def speedup(arms, arm: str, sync: str) -> str:
     return f"speed-up {math.exp(c.mean):.2f}x [{math.exp(c.low):.2f}, {math.exp(c.high):.2f}]"
 
 
+def policy_kls(arms, arm: str, sync: str) -> str:
+    """Each arm's mean final policy KL from the start model (held-out samples), "-" without."""
+
+    def mean(name: str) -> str:
+        values = [f["policy_kl"] for f in arms.get(name, {}).values()
+                  if f.get("policy_kl") is not None and math.isfinite(f["policy_kl"])]  # fmt: skip
+        return f"{sum(values) / len(values):.3f}" if values else "-"
+
+    return f"KL {mean(arm)} (sync {mean(sync)})"
+
+
 def as_good_per_step_size(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
     """Per step size, (a)'s own rule (`async_as_good`) on that step size's arms, a family of
     its own (module docstring); the verdict names each step size's."""
@@ -106,7 +120,8 @@ def as_good_per_step_size(arms, settings: Settings) -> tuple[list[Finding], Verd
             mode = finding.name.split(" − ")[0]
             finding.name = f"{arm_of(lr, mode)} − {sync}"
             details.append(f"{finding.name}: {interval(finding.comparison)}, "
-                           f"{speedup(arms, arm_of(lr, mode), sync)}")  # fmt: skip
+                           f"{speedup(arms, arm_of(lr, mode), sync)}, "
+                           f"{policy_kls(arms, arm_of(lr, mode), sync)}")  # fmt: skip
         findings += named
         verdicts.append(f"lr {lr:g}: {verdict.word}")
     if not findings:
