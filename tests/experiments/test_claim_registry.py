@@ -22,8 +22,9 @@ from tests.experiments.test_claims import write_run
 
 def test_every_registered_claim_has_a_complete_spec_in_its_own_module(tmp_path):
     names = claim_registry.names()
-    assert names == ("pilot", "a", "a-steps", "b", "c", "d", "e", "f", "b-tuning")
-    assert [s.name for s in claim_registry.table()] == ["a", "a-steps", "b", "c", "d", "e", "f"]
+    assert names == ("pilot", "a", "a-steps", "b", "c", "d", "e", "f", "f-replicated", "b-tuning")
+    in_table = ["a", "a-steps", "b", "c", "d", "e", "f", "f-replicated"]
+    assert [s.name for s in claim_registry.table()] == in_table
     for spec in claim_registry.CLAIMS:
         assert spec.title and spec.paper and callable(spec.plan), spec.name
         judged = spec.rule if spec.rule is not None else spec.analysis
@@ -47,7 +48,7 @@ def test_every_registered_claim_has_a_complete_spec_in_its_own_module(tmp_path):
 
 
 def test_unknown_claims_are_refused_with_the_known_ones(capsys):
-    known = r"unknown claim 'g'; known claims: pilot, a, a-steps, b, .*f, b-tuning"
+    known = r"unknown claim 'g'; known claims: pilot, a, a-steps, b, .*f, f-replicated, b-tuning"
     with pytest.raises(ValueError, match=known):
         claim_registry.claim("g")
     with pytest.raises(SystemExit):
@@ -93,7 +94,7 @@ def test_a_claim_added_to_the_registry_alone_plans_and_reports(tmp_path, monkeyp
     main(["--report-only", "--out", str(out)])
     table = (out / "claims.md").read_text().splitlines()
     assert table[-1].startswith("| (z) A throwaway claim | high beats low | high − low: +11.0")
-    assert table[-1].endswith("| supported |") and len(table) == 2 + 8  # the others not run
+    assert table[-1].endswith("| supported |") and len(table) == 2 + 9  # the others not run
     # with a registration, the same claim writes its plan first
     rule = {"measure": "test accuracy", "rule": "high_is_better", "families": {"z": ["high − low"]}}
     registered = dataclasses.replace(Z, registration=rule)

@@ -8,6 +8,7 @@ from jaxrlhf.experiments.claims import (
     async_as_good,
     async_step_sizes,
     corrections_mixed,
+    corrections_replicated,
     losses_robust,
     pilot,
     samples_sooner,
@@ -26,6 +27,7 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     samples_sooner.SPEC,  # (d)
     updates_per_batch.SPEC,  # (e)
     corrections_mixed.SPEC,  # (f)
+    corrections_replicated.SPEC,  # f-replicated: (f) on new seeds, pre-registered
     tuning.SPEC,  # b-tuning: (b)'s settings, pre-registered
 )
 

@@ -22,14 +22,15 @@ def mixed_variants(settings: Settings) -> list[str]:
     return ["online_dpo", loss, *corrected_variants([loss], settings.corrections)]
 
 
-def plan_mixed(settings: Settings, out: Path, extra: dict[str, Any] | None = None):
+def plan_mixed(settings: Settings, out: Path, extra: dict[str, Any] | None = None,
+               claim: str = "f"):  # fmt: skip
     """Continuous generation with in-flight swaps on a workload that generation binds
     (`MIXED_WORKLOAD`, `extra` to try others): a sample's tail continues on the weights
-    published meanwhile."""
+    published meanwhile. `claim`: the folder the runs go to."""
     return [
         planned_run(
             out,
-            "f",
+            claim,
             variant,
             seed,
             settings,
@@ -65,6 +66,12 @@ MIXED_WORKLOAD = {
 }
 
 
+def base_of(arm: str, loss: str, control: str) -> str:
+    """What `arm` is compared with: the plain loss for the control and for an arm without a
+    correction (Online DPO), the control for a corrected arm."""
+    return loss if arm == control or "+" not in arm else control
+
+
 def corrections_on_mixed(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
     """(f) on samples that span a publish, test accuracy: re-anchoring π_old on the learner
     with no correction against the plain ratio loss ("grpo+none − grpo"), each correction
@@ -75,11 +82,11 @@ def corrections_on_mixed(arms, settings: Settings) -> tuple[list[Finding], Verdi
     loss = settings.mixed_loss
     control = f"{loss}+none" if arms.get(f"{loss}+none") else loss
 
-    def base(arm: str) -> str:
-        return loss if arm == control or "+" not in arm else control
-
-    findings = family([Finding(f"{arm} − {base(arm)}", paired(arms, arm, base(arm)))
-                       for arm in arms if arm != loss and arms.get(arm)])  # fmt: skip
+    findings = family([
+        Finding(f"{arm} − {base_of(arm, loss, control)}",
+                paired(arms, arm, base_of(arm, loss, control)))
+        for arm in arms if arm != loss and arms.get(arm)
+    ])  # fmt: skip
     mixed = [f["mixed_version_fraction"] for seeds in arms.values() for f in seeds.values()]
     share = sum(mixed) / len(mixed) if mixed else math.nan
     detail = (f"mixed-version samples {share:.0%} (bound 30%); "
