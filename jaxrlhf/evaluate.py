@@ -91,12 +91,12 @@ def restore_policy(step_dir: Path, like_params):
 
 def prompt_response_batches(tokenizer, prompts, responses):
     """Arrays for scoring: one row per (prompt, response text + EOS), padded to the longest."""
-    from jaxrlhf.data import recipes
+    from jaxrlhf.data.types import prompt_ids, response_ids
     from jaxrlhf.stages.supervised import prompt_response_arrays
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    p_ids = [recipes.prompt_ids(tokenizer, p) for p in prompts]
-    r_ids = [recipes.response_ids(tokenizer, r) for r in responses]
+    p_ids = [prompt_ids(tokenizer, p) for p in prompts]
+    r_ids = [response_ids(tokenizer, r) for r in responses]
     length = max(len(p) for p in p_ids) + max(len(r) for r in r_ids)
     return prompt_response_arrays(p_ids, r_ids, pad, length)
 
@@ -154,7 +154,7 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
     or "validation") and writes the report."""
     import transformers
 
-    from jaxrlhf.data import recipes
+    from jaxrlhf.data import task_registry
     from jaxrlhf.models import load_pretrained
     from jaxrlhf.models.paths import resolve_model
     from jaxrlhf.report import build_report, write_report
@@ -172,7 +172,7 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
     del like
     log(f"restored the policy from {step_dir}")
     tokenizer = transformers.AutoTokenizer.from_pretrained(base)
-    prompts = recipes.prompt_examples(config.task, split, config.seed)
+    prompts = task_registry.prompt_examples(config.task, split, config.seed)
     items = tokenize_prompts(tokenizer, prompts, config.rollout.max_prompt_tokens, split)
     max_tokens = config.eval.max_tokens or config.rollout.max_response_tokens
     driver = is_driver()  # over several processes: the one that talks to the generators
@@ -195,7 +195,7 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
             row.update(policy_score=float(a), reference_score=float(b))
     sft = resolve_model(config.eval.sft_model or config.model.path)
     kwargs["sft_logprobs"] = response_logprobs(sft, mesh, frozen, prompts, texts)
-    verify = recipes.verifier(config.task)
+    verify = task_registry.verifier(config.task)
     if verify is not None:
         kwargs["correct"] = [bool(verify(p.answer, t)) for p, t in zip(prompts, texts, strict=True)]
         for row, ok in zip(rows, kwargs["correct"], strict=True):

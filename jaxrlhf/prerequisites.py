@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Iterable
 from pathlib import Path
 
-from jaxrlhf.data import recipes
+from jaxrlhf.data import task_registry
 from jaxrlhf.data.sources import looks_like_path
 from jaxrlhf.models.paths import BED_NAMES
 from jaxrlhf.stages.chain import export_is_complete, get_key, is_finished
@@ -139,9 +139,10 @@ def plan_problems(config) -> list[Missing]:
 
 
 def _dataset_needs(task, key: str) -> list[Need]:
-    if task.name not in recipes.DATASET_DEFAULTS:
+    sources = task_registry.task(task.name).sources
+    if not sources:
         return []  # generated here (arithmetic)
-    source = task.get(key, "") or recipes.DATASET_DEFAULTS[task.name][key] or ""
+    source = task.get(key, "") or sources.get(key) or ""
     return [Need(f"config.task.{key}", source, "dataset")]
 
 

@@ -10,8 +10,8 @@ import sys
 import ml_collections
 
 from jaxrlhf.config.keys import DTYPES, STAGES
+from jaxrlhf.data import task_registry
 from jaxrlhf.data.lengths import parse_length_law
-from jaxrlhf.data.recipes import TASKS, VERIFIABLE
 from jaxrlhf.losses import LOSSES
 from jaxrlhf.train_state import micro_batch_count
 from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
@@ -61,15 +61,22 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _check_generator(config)
     _check_train(config)
     _require(bool(config.output_dir), "config.output_dir: must name a folder")
-    _require(config.task.name in TASKS, f"config.task.name={config.task.name!r}: one of {TASKS}")
-    if config.stage == "reward":
-        _require(
-            config.task.name in ("tldr", "nobots"),
-            f"config.task.name={config.task.name!r}: the reward stage needs preference pairs "
-            f"('tldr' or 'nobots')",
-        )
+    _check_task(config)
     if config.stage == "rlhf":
         _validate_rlhf(config)
+
+
+def _check_task(config: ml_collections.ConfigDict) -> None:
+    """config.task.name is a registered task (`jaxrlhf.data.task_registry`), one with preference
+    pairs for the reward stage."""
+    tasks, name = task_registry.TASKS, config.task.name
+    _require(name in tasks, f"config.task.name={name!r}: one of {tuple(tasks)}")
+    if config.stage == "reward":
+        having = " or ".join(repr(n) for n, spec in tasks.items() if spec.preferences is not None)
+        _require(
+            tasks[name].preferences is not None,
+            f"config.task.name={name!r}: the reward stage needs preference pairs ({having})",
+        )
 
 
 def _check_model(config: ml_collections.ConfigDict) -> None:
@@ -215,7 +222,7 @@ def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
     loss = config.loss_params
     name = config.loss
     _require(
-        config.task.reward_model or config.task.name in VERIFIABLE,
+        config.task.reward_model or task_registry.task(config.task.name).verify is not None,
         f"config.task.reward_model is required: task {config.task.name!r} has no verifiable "
         f"reward (train one with --config.stage=reward)",
     )

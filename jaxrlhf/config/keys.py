@@ -85,7 +85,7 @@ def model_keys() -> dict:
 def task_keys() -> dict:
     """`config.task`: the data, its three splits, and the reward."""
     return dict(
-        name="arithmetic",  # arithmetic | tldr | nobots | gsm8k (jaxrlhf.data.recipes)
+        name="arithmetic",  # arithmetic | tldr | nobots | gsm8k (jaxrlhf.data.task_registry)
         source="",  # dataset hub name or local path; "" = the task's default
         preference_source="",  # reward-model stage: preference pairs; "" = the task's default
         # Three splits (jaxrlhf.data.splits): train; validation, for evaluations during a run

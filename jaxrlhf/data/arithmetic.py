@@ -17,6 +17,8 @@ import re
 import numpy as np
 
 from jaxrlhf.data.splits import SPLITS, hash_fraction
+from jaxrlhf.data.task_spec import TaskSpec
+from jaxrlhf.data.types import PromptExample, SFTExample
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
 _NUMBER = re.compile(r"-?\d+")
@@ -61,3 +63,31 @@ def score_answer(text: str, answer: int) -> float:
     """1.0 if the last number in `text` equals `answer`, else 0.0."""
     numbers = _NUMBER.findall(text)
     return float(bool(numbers) and int(numbers[-1]) == answer)
+
+
+def prompt_examples(source: None, split: str, limit: int | None, seed: int) -> list[PromptExample]:
+    """The problems of `split` as chat prompts, each with its sum as reference and answer."""
+    return [
+        PromptExample(
+            p.id, [{"role": "user", "content": p.question}], None, str(p.answer), str(p.answer)
+        )  # fmt: skip
+        for p in make_problems(limit or 0, split, seed)
+    ]
+
+
+def sft_examples(source: None, split: str, limit: int | None, seed: int) -> list[SFTExample]:
+    return [SFTExample(p, p.reference) for p in prompt_examples(source, split, limit, seed)]
+
+
+def verify(answer: str, text: str) -> float:
+    return score_answer(text, int(answer))
+
+
+SPEC = TaskSpec(
+    name="arithmetic",
+    description="generated two-digit additions (offline), verifiable reward",
+    splits={"train": "train", "validation": "validation", "test": "test"},
+    prompts=prompt_examples,
+    sft=sft_examples,
+    verify=verify,
+)

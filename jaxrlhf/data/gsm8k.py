@@ -16,6 +16,7 @@ import re
 from decimal import Decimal, InvalidOperation
 
 from jaxrlhf.data.sources import first_rows, load_split, require_columns
+from jaxrlhf.data.task_spec import TaskSpec, unseeded
 from jaxrlhf.data.types import PromptExample, SFTExample
 
 DEFAULT_SOURCE = "openai/gsm8k"
@@ -63,6 +64,11 @@ def is_correct(text: str, answer: str) -> bool:
     if gold is None:
         return predicted.strip() == answer.strip()
     return _as_number(predicted) == gold
+
+
+def verify(answer: str, text: str) -> float:
+    """The verifiable reward: 1.0 when the final answer in `text` is `answer` (`is_correct`)."""
+    return float(is_correct(text, answer))
 
 
 def prompt_examples(
@@ -121,3 +127,14 @@ def _as_number(text: str) -> Decimal | None:
         return Decimal(cleaned)
     except InvalidOperation:
         return None
+
+
+SPEC = TaskSpec(
+    name="gsm8k",
+    description="GSM8k: SFT on worked solutions, verifiable reward (the `#### n` answer)",
+    splits={"train": "train", "validation": None, "test": "test"},
+    prompts=unseeded(prompt_examples),
+    sft=unseeded(sft_examples),
+    sources={"source": DEFAULT_SOURCE},
+    verify=verify,
+)

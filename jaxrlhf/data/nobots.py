@@ -21,6 +21,7 @@ labelled by a gold reward model or a judge) from a local file or folder with col
 from __future__ import annotations
 
 from jaxrlhf.data.sources import SplitNotFoundError, first_rows, load_split, require_columns
+from jaxrlhf.data.task_spec import TaskSpec, unseeded
 from jaxrlhf.data.types import (
     Message,
     PreferencePair,
@@ -147,3 +148,14 @@ def _response(value: str | list[dict], example_id: str) -> str:
             f"response, its last message is from {messages[-1]['role']!r}"
         )
     return messages[-1]["content"]
+
+
+SPEC = TaskSpec(
+    name="nobots",
+    description="No Robots chat: SFT set + your own preference pairs (module docstring)",
+    splits={"train": "train", "validation": None, "test": "test"},
+    prompts=unseeded(prompt_examples),
+    sft=unseeded(sft_examples),
+    sources={"source": DEFAULT_SOURCE, "preference_source": DEFAULT_PREFERENCE_SOURCE},
+    preferences=unseeded(preference_pairs),
+)

@@ -13,8 +13,8 @@
   (starts with `.`, `/` or `~`, has more than one `/`, or ends with a data-file extension): then it
   is a FileNotFoundError, never a hub lookup.
 
-`datasets` is imported only when a split is loaded, so code that merely imports the recipes runs
-where the library is absent.
+`datasets` is imported only when a split is loaded, so code that merely imports the task modules
+runs where the library is absent.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Every task has three splits (hyper-parameters are chosen on one and reported on 
 - validation: evaluations during a run and the choice of hyper-parameters;
 - test: the final reported figure only.
 
-Where a dataset ships a split the recipe uses it (TL;DR's validation and test, the test split of
+Where a dataset ships a split the task uses it (TL;DR's validation and test, the test split of
 GSM8k and No Robots). Where it does not, the split is carved out of another one by a hash of the
 example's key (`hash_fraction`): a key's place depends on nothing else (not on the seed, the
 count asked for, or the order of the rows), and, the hash being a real one (SHA-256), every

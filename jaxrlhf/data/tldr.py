@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxrlhf.data.sources import first_rows, load_split, require_columns
+from jaxrlhf.data.task_spec import TaskSpec, unseeded
 from jaxrlhf.data.types import PreferencePair, PromptExample, SFTExample, sft_from_references
 
 DEFAULT_SOURCE = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
@@ -141,3 +142,14 @@ def _comparison_pair(row: dict, where: str) -> PreferencePair:
         chosen, rejected = as_response(chosen), as_response(rejected)
     prompt = PromptExample(id=str(info["id"]), messages=None, text=text, reference=chosen)
     return PreferencePair(prompt, chosen, rejected)
+
+
+SPEC = TaskSpec(
+    name="tldr",
+    description="TL;DR summarisation: SFT set + OpenAI's preference set (reward model)",
+    splits={"train": "train", "validation": "validation", "test": "test"},
+    prompts=unseeded(prompt_examples),
+    sft=unseeded(sft_examples),
+    sources={"source": DEFAULT_SOURCE, "preference_source": DEFAULT_PREFERENCE_SOURCE},
+    preferences=unseeded(preference_pairs),
+)

@@ -1,15 +1,19 @@
-"""The examples every recipe's loader returns, so a trainer never needs a dataset's own schema.
+"""The examples every task's loader returns, so a trainer never needs a dataset's own schema,
+and their token ids (`prompt_ids`, `response_ids`).
 
 A prompt is either a chat conversation (`messages`, rendered later with the model's chat
 template) or plain text (`text`, fed to a base model as is), never both. Responses are the text a
 model should produce after the prompt, without any end-of-sequence token: the trainer appends its
-own tokenizer's EOS.
+own tokenizer's EOS. Token ids: a chat prompt goes through the tokenizer's chat template, a plain
+prompt is encoded as is; a response is its text's tokens plus the tokenizer's EOS.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+
+from jaxrlhf.tokenization import chat_prompt_ids
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -65,3 +69,13 @@ def sft_from_references(prompts: Iterable[PromptExample]) -> list[SFTExample]:
     """The SFT examples of a dataset whose prompts carry reference responses (TL;DR, No
     Robots): each prompt with its reference as the response to learn."""
     return [SFTExample(prompt, prompt.reference) for prompt in prompts]
+
+
+def prompt_ids(tokenizer, prompt: PromptExample) -> list[int]:
+    if prompt.is_chat:
+        return chat_prompt_ids(tokenizer, prompt.messages)
+    return list(tokenizer.encode(prompt.text))
+
+
+def response_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]

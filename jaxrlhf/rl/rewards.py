@@ -1,4 +1,4 @@
-"""The missing-EOS penalty (task rewards: `jaxrlhf.data.recipes.verifier`, reward models:
+"""The missing-EOS penalty (task rewards: `jaxrlhf.data.task_registry.verifier`, reward models:
 `jaxrlhf.stages.reward`).
 
 A response that ends without EOS (the sampler hit max_tokens) gets the fixed score

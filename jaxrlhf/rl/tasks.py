@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from jaxrlhf.data import recipes
-from jaxrlhf.data.types import PromptExample
+from jaxrlhf.data import task_registry
+from jaxrlhf.data.types import PromptExample, prompt_ids
 from jaxrlhf.rl.rollout import PromptItem
 
 
@@ -41,7 +41,7 @@ def tokenize_prompts(
     names it (raise rollout.max_prompt_tokens, or shorten the data)."""
     items = []
     for example in examples:
-        ids = recipes.prompt_ids(tokenizer, example)
+        ids = prompt_ids(tokenizer, example)
         if len(ids) > max_prompt_tokens:
             raise ValueError(
                 f"{split} prompt {example.id!r} has {len(ids)} tokens, more than "
@@ -55,9 +55,9 @@ def build_task(config, tokenizer, test: bool = True) -> Task:
     """The configured task (`config.task`), tokenized for the policy; `test`: with the test
     split's prompts as well."""
     task_cfg, limit = config.task, config.rollout.max_prompt_tokens
-    train = recipes.prompt_examples(task_cfg, "train", config.seed)
-    validation = recipes.prompt_examples(task_cfg, "validation", config.seed)
-    test_examples = recipes.prompt_examples(task_cfg, "test", config.seed) if test else []
+    train = task_registry.prompt_examples(task_cfg, "train", config.seed)
+    validation = task_registry.prompt_examples(task_cfg, "validation", config.seed)
+    test_examples = task_registry.prompt_examples(task_cfg, "test", config.seed) if test else []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Task(
         name=task_cfg.name,
@@ -65,7 +65,7 @@ def build_task(config, tokenizer, test: bool = True) -> Task:
         eval_prompts=tokenize_prompts(tokenizer, validation, limit, "validation"),
         pad_id=pad,
         decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
-        verify=recipes.verifier(task_cfg),
+        verify=task_registry.verifier(task_cfg),
         eval_references=[e.reference for e in validation],
         test_prompts=tokenize_prompts(tokenizer, test_examples, limit, "test"),
     )

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.config import model_options
-from jaxrlhf.data import recipes
+from jaxrlhf.data import task_registry
+from jaxrlhf.data.types import prompt_ids, response_ids
 from jaxrlhf.distributed import is_driver, shard_global, to_host
 from jaxrlhf.models import load_pretrained, save_pretrained
 from jaxrlhf.sharding import activate, make_mesh
@@ -59,10 +60,10 @@ def build_pairs(tokenizer, pairs, max_length: int) -> dict[str, np.ndarray]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts, responses = [], []
     for pair in pairs:
-        prompt = recipes.prompt_ids(tokenizer, pair.prompt)
+        prompt = prompt_ids(tokenizer, pair.prompt)
         prompts += [prompt, prompt]
-        responses += [recipes.response_ids(tokenizer, pair.chosen),
-                      recipes.response_ids(tokenizer, pair.rejected)]  # fmt: skip
+        responses += [response_ids(tokenizer, pair.chosen),
+                      response_ids(tokenizer, pair.rejected)]  # fmt: skip
     arrays = prompt_response_arrays(prompts, responses, pad, max_length)
     return {k: v.reshape(len(pairs), 2, -1) for k, v in arrays.items()}
 
@@ -102,8 +103,10 @@ def run(config, model_path: Path, log) -> dict:
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     length = config.train.max_length
-    train = build_pairs(tokenizer, recipes.preference_pairs(config.task, "train"), length)
-    held_out = build_pairs(tokenizer, recipes.preference_pairs(config.task, "validation"), length)
+    train = build_pairs(tokenizer, task_registry.preference_pairs(config.task, "train"), length)
+    held_out = build_pairs(
+        tokenizer, task_registry.preference_pairs(config.task, "validation"), length
+    )
     log(f"reward model on {len(train['input_ids'])} preference pairs ({config.task.name}), "
         f"{len(held_out['input_ids'])} held out")  # fmt: skip
     state, summary = train_supervised(

@@ -1,8 +1,8 @@
 """Supervised fine-tuning: NLL of the response tokens given the prompt, on the device mesh.
 
 loss = −Σ_t m_t log π(y_t | x, y_<t) / Σ_t m_t, with m the response (loss) mask. Data: the
-configured task's SFT examples (`jaxrlhf.data.recipes`). Outputs in `config.output_dir`: Orbax
-checkpoints, metrics.jsonl, summary.json and (with `config.export`) a Hugging Face folder
+configured task's SFT examples (`jaxrlhf.data.task_registry`). Outputs in `config.output_dir`:
+Orbax checkpoints, metrics.jsonl, summary.json and (with `config.export`) a Hugging Face folder
 `hf_export/` that the next stage can start from (`--config.model.path=<this output_dir>`).
 """
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from jaxrlhf.config import model_options
-from jaxrlhf.data import recipes
+from jaxrlhf.data import task_registry
+from jaxrlhf.data.types import prompt_ids, response_ids
 from jaxrlhf.distributed import is_driver
 from jaxrlhf.models import load_pretrained, next_token_logprobs, save_pretrained
 from jaxrlhf.sharding import make_mesh
@@ -37,8 +38,8 @@ def build_examples(tokenizer, examples, max_length: int):
     """[left-padded prompt | response + EOS, right-padded] for each SFTExample."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return prompt_response_arrays(
-        [recipes.prompt_ids(tokenizer, e.prompt) for e in examples],
-        [recipes.response_ids(tokenizer, e.response) for e in examples],
+        [prompt_ids(tokenizer, e.prompt) for e in examples],
+        [response_ids(tokenizer, e.response) for e in examples],
         pad,
         max_length,
     )
@@ -54,10 +55,10 @@ def run(config, model_path: Path, log) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
     length = config.train.max_length
     train = build_examples(
-        tokenizer, recipes.sft_examples(config.task, "train", config.seed), length
+        tokenizer, task_registry.sft_examples(config.task, "train", config.seed), length
     )
     held_out = build_examples(
-        tokenizer, recipes.sft_examples(config.task, "validation", config.seed), length
+        tokenizer, task_registry.sft_examples(config.task, "validation", config.seed), length
     )
     log(f"SFT on {len(train['input_ids'])} examples ({config.task.name}), "
         f"{len(held_out['input_ids'])} held out")  # fmt: skip

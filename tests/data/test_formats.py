@@ -1,4 +1,4 @@
-"""Every recipe loader gives the same examples from each way of storing its fixture."""
+"""Every task loader gives the same examples from each way of storing its fixture."""
 
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ def store(fixture_dir: Path, split: str, how: str, tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize("how", FORMATS)
-@pytest.mark.parametrize("recipe", LOADERS)
-def test_same_examples_from_every_format(recipe, how, fixtures, tmp_path):
-    folder, split, load = LOADERS[recipe]
+@pytest.mark.parametrize("loader", LOADERS)
+def test_same_examples_from_every_format(loader, how, fixtures, tmp_path):
+    folder, split, load = LOADERS[loader]
     expected = load(str(fixtures / folder), split)
     assert 4 <= len(expected) <= 64
     assert load(store(fixtures / folder, split, how, tmp_path), split) == expected

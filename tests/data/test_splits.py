@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.config import base_config
-from jaxrlhf.data import recipes
+from jaxrlhf.data import task_registry
 from jaxrlhf.data.arithmetic import make_problems
 from jaxrlhf.data.splits import carve, hash_fraction
 
@@ -97,23 +97,23 @@ def _gsm8k_task(fraction: float):
 
 def test_validation_is_carved_out_of_train_when_the_dataset_has_none():
     task = _gsm8k_task(0.5)
-    train = {e.id for e in recipes.prompt_examples(task, "train")}
-    validation = {e.id for e in recipes.prompt_examples(task, "validation")}
-    test = {e.id for e in recipes.prompt_examples(task, "test")}
+    train = {e.id for e in task_registry.prompt_examples(task, "train")}
+    validation = {e.id for e in task_registry.prompt_examples(task, "validation")}
+    test = {e.id for e in task_registry.prompt_examples(task, "test")}
     assert train and validation and not train & validation
     assert train | validation == {f"train-{i}" for i in range(6)}  # all of the dataset's train
     assert all(i.startswith("test-") for i in test)
-    assert recipes.split_name(task, "validation") is None
+    assert task_registry.split_name(task, "validation") is None
 
 
 def test_an_empty_carved_split_is_a_clear_error():
     with pytest.raises(ValueError, match="validation split carved .* is empty"):
-        recipes.prompt_examples(_gsm8k_task(1e-6), "validation")
+        task_registry.prompt_examples(_gsm8k_task(1e-6), "validation")
 
 
 def test_a_named_eval_split_is_used_as_is():
     task = _gsm8k_task(0.5)
     task.eval_split = "test"
-    assert [e.id for e in recipes.prompt_examples(task, "validation")] == [
-        e.id for e in recipes.prompt_examples(task, "test")
+    assert [e.id for e in task_registry.prompt_examples(task, "validation")] == [
+        e.id for e in task_registry.prompt_examples(task, "test")
     ]

@@ -6,9 +6,8 @@ import dataclasses
 import pytest
 import transformers
 
-from jaxrlhf.data import recipes
 from jaxrlhf.data.arithmetic import make_problems, score_answer
-from jaxrlhf.data.types import PromptExample
+from jaxrlhf.data.types import PromptExample, prompt_ids, response_ids
 from jaxrlhf.models import bed, paths
 from jaxrlhf.models.built import COMPLETE
 from jaxrlhf.models.paths import resolve_model
@@ -50,12 +49,12 @@ def test_the_tokenizer_round_trips_every_prompt_and_answer(tokenizer):
     for problem in make_problems(0, "train")[:500] + make_problems(0, "test"):
         prompt = PromptExample(problem.id, [{"role": "user", "content": problem.question}],
                                None, str(problem.answer))  # fmt: skip
-        ids = recipes.prompt_ids(tokenizer, prompt)
+        ids = prompt_ids(tokenizer, prompt)
         assert len(ids) == 24 and unknown not in ids
         assert tokenizer.decode(ids) == (
             f"<|im_start|>user\n{problem.question}<|im_end|>\n<|im_start|>assistant\n"
         )
-        answer = recipes.response_ids(tokenizer, str(problem.answer))
+        answer = response_ids(tokenizer, str(problem.answer))
         assert len(answer) == len(str(problem.answer)) + 1  # a token per digit, then EOS
         assert answer[-1] == tokenizer.eos_token_id and unknown not in answer
         text = tokenizer.decode(answer, skip_special_tokens=True)

@@ -22,7 +22,7 @@ from jaxrlhf.models import bed, tiny
 from jaxrlhf.stages import bed_build
 
 # bed.build_code_digest() of the code that built the committed start models, as it is now.
-PINNED = "e213d0e4351da51f6a762e948b9548a358754f051858a751ec1618b82776a14c"
+PINNED = "00378de4201309acf50531705e94102618aab673b7fbb759e1174728bed1f465"
 
 RECIPE = bed.Recipe(size="bed", steps=3, batch_size=4)
 
