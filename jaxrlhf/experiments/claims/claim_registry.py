@@ -15,6 +15,7 @@ from jaxrlhf.experiments.claims import (
     sizes_robust,
     tuning,
     updates_per_batch,
+    updates_two_parts,
 )
 from jaxrlhf.experiments.claims.claim_spec import ClaimSpec
 
@@ -26,6 +27,7 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     sizes_robust.SPEC,  # (c)
     samples_sooner.SPEC,  # (d)
     updates_per_batch.SPEC,  # (e)
+    updates_two_parts.SPEC,  # e-parts: (e)'s two parts, pre-registered
     corrections_mixed.SPEC,  # (f)
     corrections_replicated.SPEC,  # f-replicated: (f) on new seeds, pre-registered
     tuning.SPEC,  # b-tuning: (b)'s settings, pre-registered

@@ -19,11 +19,12 @@ from jaxrlhf.experiments.claims.plans import Settings, planned_run
 GENERATION_BOUND = {"rollout.max_running": 16, "generator.generate_timeout_s": 600.0}
 
 
-def plan_updates(settings: Settings, out: Path):
+def plan_updates(settings: Settings, out: Path, claim: str = "e"):
+    """Each seed's arms together; `claim`: the folder the runs go to."""
     return [
         planned_run(
             out,
-            "e",
+            claim,
             f"U{u}",
             seed,
             settings,
