@@ -98,6 +98,12 @@ class GeneratorEngine:
         return self._served.policy_version
 
     @property
+    def update_id(self) -> str:
+        """The sender's name for the update that put the served weights in place ("" when
+        unnamed, or while they are unknown)."""
+        return self._served.update_id if self._served.serving else ""
+
+    @property
     def serving(self) -> bool:
         """False after a swap that failed half-way, until a complete update succeeds."""
         return self._served.serving
@@ -157,11 +163,12 @@ class GeneratorEngine:
         policy_version: int,
         allow_rollback: bool = False,
         stage_id: int = 0,
+        update_id: str = "",
     ) -> SwapTimes:
         """Loads a validated, complete update staged in `staging_path` as `policy_version`
-        (`Swaps.swap_weights`)."""
+        (`Swaps.swap_weights`); `update_id` is recorded with the version."""
         return await self._swaps.swap_weights(
-            staging_path, tensors, policy_version, allow_rollback, stage_id
+            staging_path, tensors, policy_version, allow_rollback, stage_id, update_id
         )
 
     async def begin_stage(self, expected: Sequence[str]) -> int:

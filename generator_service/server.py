@@ -194,7 +194,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             staged_swaps_off=engine.stage_unsupported
             or ("" if engine.config.stage else "started with --no-stage"),
             shared_progress=True,
-            update_id=applier.served_update_id,
+            update_id=engine.update_id,
         )
 
 

@@ -2,8 +2,9 @@
 translates them into messages).
 
 - `Served`: the weights the engine serves. Only a swap writes it (updates/swap.py): a swap that
-  succeeds sets its version, counts it and stamps its time (`swapped_in`); one that fails
-  half-way clears `serving`, which stays clear until a complete update succeeds. A Generate
+  succeeds sets its version and the update's id together (GetStatus never shows one without
+  the other), counts it and stamps its time (`swapped_in`); one that fails half-way clears
+  `serving` and the id, which stay clear until a complete update succeeds. A Generate
   call reads it once, when it is admitted (calls.py).
 - `Occupancy`: how busy the engine was since it started, on the server's clock, with the span
   its totals cover (a client divides their changes by that span, not by its own clock's).
@@ -23,12 +24,13 @@ class Served:
 
     policy_version: int = 0
     serving: bool = True  # False: a swap failed half-way, the weights are in an unknown state
+    update_id: str = ""  # the sender's name for the update that put the served weights in place
     num_updates: int = 0
     last_update_unix_time: float = 0.0
 
-    def swapped_in(self, policy_version: int) -> None:
-        """A complete update is live as `policy_version`."""
-        self.policy_version = policy_version
+    def swapped_in(self, policy_version: int, update_id: str) -> None:
+        """A complete update, named `update_id` by its sender, is live as `policy_version`."""
+        self.policy_version, self.update_id = policy_version, update_id
         self.serving = True
         self.num_updates += 1
         self.last_update_unix_time = time.time()

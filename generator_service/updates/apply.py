@@ -3,12 +3,12 @@ records of it. Both ways an update comes use it: a stream (receive_stream.py) an
 file (receive_shared.py).
 
 - One update at a time (`lock`): they share the staging file, and versions apply in order.
-- `update_id` (GetStatus) names the update that put the served weights in place: set once the
-  swap is done, also when its call is cancelled after the swap's pause began (the swap then
-  runs to its end: the engine serves the version, and a learner whose answer was lost can tell
-  its update was applied); cleared once a swap left the weights unknown. A cancelled rollback
-  to the version already served cannot be told from one dropped before its pause: cleared then
-  (unknown), never another update's id.
+- `update_id` (GetStatus) names the update that put the served weights in place. The engine
+  records it with the version, in the same step (status.py `Served`), so GetStatus never shows
+  a new version under the previous update's id. That also holds when the call is cancelled
+  after the swap's pause began (the swap then runs to its end: a learner whose answer was lost
+  can tell its update was applied). It is cleared while a failed swap has left the weights
+  unknown.
 - `last_swap` (GetStatus): the last successful update's times; its `stage_seconds` count the
   time the update took to arrive and be checked (generation went on meanwhile).
 - An update that fails on an error of the server's own is answered INTERNAL with what the
@@ -51,7 +51,6 @@ class UpdateApplier:
         self._health = health_servicer
         self.lock = lock  # one update at a time
         self.last_swap = SwapTimes()
-        self.served_update_id = ""
 
     async def apply(
         self,
@@ -64,22 +63,11 @@ class UpdateApplier:
         received_seconds: float,
     ) -> SwapTimes:
         """`Engine.swap_weights` of the update in `path` (staged as `stage_id`, 0: none),
-        which took `received_seconds` to arrive and be checked; keeps `update_id` and the
+        which took `received_seconds` to arrive and be checked, named `update_id`; keeps the
         swap's times (module docstring)."""
-        engine, served_before = self.engine, self.engine.policy_version
-        try:
-            swap = await engine.swap_weights(
-                path, tensors, policy_version, allow_rollback, stage_id=stage_id
-            )
-        except asyncio.CancelledError:
-            if engine.serving and engine.policy_version == policy_version:
-                self.served_update_id = update_id if policy_version != served_before else ""
-            raise
-        except Exception:
-            if not engine.serving:
-                self.served_update_id = ""
-            raise
-        self.served_update_id = update_id
+        swap = await self.engine.swap_weights(
+            path, tensors, policy_version, allow_rollback, stage_id=stage_id, update_id=update_id
+        )
         self.last_swap = dataclasses.replace(
             swap, stage_seconds=received_seconds + swap.stage_seconds
         )

@@ -71,8 +71,10 @@ class Swaps:
         policy_version: int,
         allow_rollback: bool = False,
         stage_id: int = 0,
+        update_id: str = "",
     ) -> SwapTimes:
-        """Loads a validated, complete update staged in `staging_path` as `policy_version`.
+        """Loads a validated, complete update staged in `staging_path` as `policy_version`,
+        recorded with its sender's `update_id` once live.
 
         Staged (`EngineConfig.stage`, see worker_stage.py): the update is first converted into the
         engine's layout while generation goes on, then committed in the pause; with
@@ -93,8 +95,9 @@ class Swaps:
             started = time.monotonic()
             async with self._gate.write():
                 load = self._load_in_pause(
-                    staging_path, manifest(tensors), policy_version, allow_rollback, staged
-                )
+                    staging_path, manifest(tensors), policy_version, allow_rollback, staged,
+                    update_id,
+                )  # fmt: skip
                 await finish_despite_cancellation(asyncio.ensure_future(load))
             pause_seconds = time.monotonic() - started
         finally:
@@ -111,8 +114,9 @@ class Swaps:
             )
 
     async def _load_in_pause(
-        self, path: str, tensors: list, policy_version: int, allow_rollback: bool, staged: int
-    ) -> None:
+        self, path: str, tensors: list, policy_version: int, allow_rollback: bool, staged: int,
+        update_id: str,
+    ) -> None:  # fmt: skip
         """Loads the update in the pause: commits stage `staged` (0: reloads `tensors`, the
         worker's manifest, from `path`)."""
         self._check_newer(policy_version, allow_rollback)
@@ -141,7 +145,7 @@ class Swaps:
         finally:
             self._occupancy.paused(False)
             await self._llm.resume_generation()
-        self._served.swapped_in(policy_version)
+        self._served.swapped_in(policy_version, update_id)
 
     async def _failed(self, policy_version: int) -> WeightUpdateError:
         """After a load that failed: NOT_SERVING, and (in-flight) no request goes on."""

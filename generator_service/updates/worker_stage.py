@@ -12,8 +12,14 @@ recorded at the first load):
   module whose tensors are all loaded goes through its `quant_method.
   process_weights_after_loading` at once (on the CPU backend this packs every linear weight
   into a oneDNN handler held by `cpu_linear` and frees the checkpoint-layout copy, whose memory
-  the next layer then reuses; the tied head is packed from the *new* embedding). The thread
-  then compiles the commit: a `copy_` into each live tensor with data (same shape, dtype and
+  the next layer then reuses; the tied head is packed from the *new* embedding). Processing
+  runs with the OpenMP thread count of the worker's own thread (`Stage._engine_threads`), not
+  the stage's `threads`: a oneDNN handler packs its weight in a layout chosen for the thread
+  count it was made under, and the engine runs it under the worker's count. Made under another
+  count, some shapes come out wrong (vLLM 0.32's CPU backend: a [192, 64] fp32 weight made
+  under 1 thread and run under 2 gives outputs off by ~40, with every weight right; the bed
+  model's qkv_proj, whose staged swaps served garbage while the engine ran 2 threads). The
+  thread then compiles the commit: a `copy_` into each live tensor with data (same shape, dtype and
   device, or staging fails), and the attributes processing replaced (only those in
   `SWAPPED_ATTRIBUTES`; any other makes staging fail rather than commit something it does not
   understand).
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import re
 import threading
@@ -144,6 +151,9 @@ class Stage:
         self._fed = threading.Condition()
         self._feed_error = ""
         self._threads = threads
+        # The worker's OpenMP thread count (this runs in its thread): processing runs with it
+        # (module docstring).
+        self._engine_threads = torch.get_num_threads()
         self._cancelled = False
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._swaps: list[tuple[torch.nn.Module, str, object]] = []
@@ -278,7 +288,8 @@ class Stage:
                     continue
                 quant_method = getattr(module, "quant_method", None)
                 if isinstance(quant_method, QuantizeMethodBase):
-                    quant_method.process_weights_after_loading(module)
+                    with _openmp_threads(self._engine_threads):
+                        quant_method.process_weights_after_loading(module)
                 staged.append((live, module))
                 pending.remove((live, module))
         with self._fed:
@@ -368,6 +379,23 @@ class Stage:
 
 
 _MISSING = object()
+
+
+@contextlib.contextmanager
+def _openmp_threads(count: int):
+    """This thread's torch ops run with `count` OpenMP threads meanwhile (the ICV is per thread;
+    vLLM's CPU worker makes torch.set_num_threads a no-op, hence torch._C's)."""
+    before = torch.get_num_threads()
+    if count == before:
+        yield
+        return
+    torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
+
+
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 
 

@@ -47,6 +47,7 @@ class RecordingEngine:
         self.weight_specs_error = ""
         self.policy_version = 0
         self.serving = True
+        self._update_id = ""
         self.fail_swaps = 0
         self.staging_dir = tempfile.gettempdir()
         self.swaps: list[tuple[int, dict[str, tuple[str, bytes]]]] = []
@@ -64,24 +65,28 @@ class RecordingEngine:
         self.occupancy = Occupancy(self.max_num_seqs)
         self.swapping = threading.Event()
 
+    @property
+    def update_id(self) -> str:  # as the engine's: set with the version, cleared if unknown
+        return self._update_id if self.serving else ""
+
     async def swap_weights(self, staging_path, tensors, policy_version, allow_rollback=False,
-                           stage_id=0):  # fmt: skip
+                           stage_id=0, update_id=""):  # fmt: skip
         from generator_service import failpoints
         from generator_service.updates.swap import finish_despite_cancellation
 
         hold = failpoints.hit("reload_weights")
         if hold is None or not hold.startswith("sleep="):
-            return self._swap(staging_path, tensors, policy_version)
+            return self._swap(staging_path, tensors, policy_version, update_id)
 
         async def held():
             self.swapping.set()
             await asyncio.sleep(float(hold.removeprefix("sleep=")))
-            return self._swap(staging_path, tensors, policy_version)
+            return self._swap(staging_path, tensors, policy_version, update_id)
 
         # As the engine's: in its pause a swap runs to its end, its caller gone or not.
         return await finish_despite_cancellation(asyncio.ensure_future(held()))
 
-    def _swap(self, staging_path, tensors, policy_version):
+    def _swap(self, staging_path, tensors, policy_version, update_id):
         if self.fail_swaps > 0:
             self.fail_swaps -= 1
             self.serving = False
@@ -93,7 +98,7 @@ class RecordingEngine:
             t.name: (t.wire_dtype, data[t.position : t.position + t.nbytes]) for t in tensors
         }
         self.swaps.append((policy_version, received))
-        self.policy_version = policy_version
+        self.policy_version, self._update_id = policy_version, update_id
         return SwapTimes()
 
 
