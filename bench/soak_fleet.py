@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -197,13 +198,16 @@ def _rss_kb(pid: int) -> int:
 
 class Sampler:
     """Samples every tracked process every `interval` seconds in a thread; `series[label]` is
-    one process's Usage over its life (a label names the role and the pid)."""
+    one process's Usage over its life (a label names the role and the pid). With `progress`
+    (the learner's last logged step), `steps` holds (soak time, step) at each sample too."""
 
     def __init__(self, interval: float):
         self.interval = interval
         self.started = time.monotonic()
         self.series: dict[str, list[Usage]] = {}
         self.ready: dict[str, float] = {}  # label -> soak time the process began its work
+        self.progress: Callable[[], int] | None = None
+        self.steps: list[tuple[float, int]] = []
         self._tracked: dict[str, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -231,10 +235,21 @@ class Sampler:
         self._stop.set()
         self._thread.join(timeout=30)
 
+    def step_at(self, t: float) -> int:
+        """The learner's last logged step at soak time `t`, as last sampled (0: none yet)."""
+        before = [step for when, step in self.steps if when <= t]
+        return before[-1] if before else 0
+
+    def time_of_step(self, step: int, after: float) -> float | None:
+        """The first sample time from `after` on at which the learner had logged `step`."""
+        return next((when for when, s in self.steps if when >= after and s >= step), None)
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             with self._lock:
                 tracked = dict(self._tracked)
+            if self.progress is not None:
+                self.steps.append((self.now(), self.progress()))
             for label, pid in tracked.items():
                 usage = read_usage(pid, self.now())
                 with self._lock:
