@@ -61,17 +61,18 @@ class StubEngine:
         self.weight_specs_error = ""
         self.policy_version = 0
         self.serving = True
+        self.update_id = ""
         self.swapped: list[tuple[int, dict[str, np.ndarray]]] = []
 
     async def swap_weights(self, path, staged, policy_version, allow_rollback=False,
-                           stage_id=0) -> SwapTimes:  # fmt: skip
+                           stage_id=0, update_id="") -> SwapTimes:  # fmt: skip
         read = {
             t.name: np.fromfile(path, np.float32, int(np.prod(t.shape)), offset=t.position)
             .reshape(t.shape)
             for t in staged
         }  # fmt: skip
         self.swapped.append((policy_version, read))
-        self.policy_version = policy_version
+        self.policy_version, self.update_id = policy_version, update_id
         return SwapTimes()
 
 
