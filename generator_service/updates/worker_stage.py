@@ -386,9 +386,6 @@ def _openmp_threads(count: int):
     """This thread's torch ops run with `count` OpenMP threads meanwhile (the ICV is per thread;
     vLLM's CPU worker makes torch.set_num_threads a no-op, hence torch._C's)."""
     before = torch.get_num_threads()
-    if count == before:
-        yield
-        return
     torch._C.set_num_threads(count)
     try:
         yield
