@@ -29,7 +29,7 @@ log-probs must be identical.
 
 The bench exits 1, naming each process over the bound, when one is, or when the served weights
 differ. The shared-memory transport is left out (the pool here streams): its file in /dev/shm
-is the generator's staging copy, and the pages each process writes its slices into would
+is the generator's preloading copy, and the pages each process writes its slices into would
 count in that process's RSS. `tests/test_multiprocess.py` runs it sliced.
 
 Prints one JSON line per process, then a summary JSON line (printed in every case).

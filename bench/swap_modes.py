@@ -8,9 +8,9 @@ The same asynchronous run (`configs/tiny.py`, or `--model`: one step off-policy,
 published after every update, long responses so that generating a batch takes longer than
 learning from one: g > t) is run with its generator in each variant (`--variants`): `drain`,
 `in-flight-keep` and `in-flight-recompute` (`generator.swap_mode`, `generator.in_flight_kv`;
-`python -m generator_service --swap-mode --in-flight-kv`), with staged swaps (the default),
-and `drain-no-stage`, `in-flight-keep-no-stage` loading each update in the pause
-(`generator.stage=false`, `--no-stage`). A variant's runs share one service,
+`python -m generator_service --swap-mode --in-flight-kv`), with preloaded swaps (the default),
+and `drain-no-preload`, `in-flight-keep-no-preload` loading each update in the pause
+(`generator.preload=false`, `--no-preload`). A variant's runs share one service,
 started by its first run, or the running one `--generators` gives for it
 (`drain=HOST:PORT,...`; jaxrlhf/experiments/services.py). The
 generator is pinned to `--cpus-generator`, the learner to `--cpus-learner`. Each run is a plain
@@ -56,11 +56,11 @@ from jaxrlhf.experiments import (
 )
 from jaxrlhf.experiments.services import SWAP_SETTINGS, run_side_by_side
 
-# name -> (generator.swap_mode, generator.in_flight_kv, generator.stage)
+# name -> (generator.swap_mode, generator.in_flight_kv, generator.preload)
 VARIANTS = {
     **{name: (*setting, True) for name, setting in SWAP_SETTINGS.items()},
-    "drain-no-stage": ("drain", "keep", False),
-    "in-flight-keep-no-stage": ("in-flight", "keep", False),
+    "drain-no-preload": ("drain", "keep", False),
+    "in-flight-keep-no-preload": ("in-flight", "keep", False),
 }
 FIGURES = (
     ("time per update (s)", "step_s"),
@@ -149,12 +149,12 @@ def table(result: dict[str, Any]) -> str:
 
 
 def overrides_for(args, variant: str, folder: Path) -> dict[str, Any]:
-    swap_mode, in_flight_kv, stage = VARIANTS[variant]
+    swap_mode, in_flight_kv, preload = VARIANTS[variant]
     overrides: dict[str, Any] = {
         **timed_run_overrides(folder, args.steps),
         "generator.swap_mode": swap_mode,
         "generator.in_flight_kv": in_flight_kv,
-        "generator.stage": stage,
+        "generator.preload": preload,
         "max_staleness": args.max_staleness,
         "rollout.max_response_tokens": args.max_response_tokens,
         "rollout.prompts_per_batch": args.prompts_per_batch,

@@ -1,8 +1,8 @@
 """Weight sync: JAX arrays -> generator service -> "swap done", by both transports, next to an
 in-process vLLM `reload_weights` of the same tensors, measured side by side in one run.
 
-    python bench/weight_sync.py                 # SmolLM2-135M, fp32 and bf16, staged and not
-    python bench/weight_sync.py --dtypes bfloat16 --repeats 9 --stage on
+    python bench/weight_sync.py                 # SmolLM2-135M, fp32 and bf16, preloaded and not
+    python bench/weight_sync.py --dtypes bfloat16 --repeats 9 --preload on
 
 End to end = converting the (sharded) Flax params to the HF layout tensor by tensor, getting them
 to the service, validating, and swapping them in: vLLM's `reload_weights` on views of a mapped
@@ -10,7 +10,7 @@ file, plus the repack of the tied lm_head (which a plain reload leaves stale). T
 alternating update by update on one server:
 
 - stream: 4 MiB chunks over loopback gRPC (conversion in a thread, overlapped with the sending),
-  written into the service's staging file in /dev/shm as they arrive; works across hosts.
+  written into the service's update file in /dev/shm as they arrive; works across hosts.
 - shared: the learner converts straight into a file in the service's shared folder (/dev/shm)
   and sends only where each tensor lies (`UpdateWeightsShared`); same host only.
 
@@ -18,7 +18,7 @@ In-process = `LLM.collective_rpc("reload_weights", weights_iterator=...)` on the
 already in memory (the paper's in-process copy, without conversion or that repack). `convert_s`
 is the conversion alone (iterating `iter_hf_tensors` and making each tensor contiguous, the
 one copy every consumer makes); `{transport}_pause_s` is the part of the update during which the
-service paused generation (reload, tied-head repack, prefix-cache reset), `{transport}_stage_s`
+service paused generation (reload, tied-head repack, prefix-cache reset), `{transport}_preload_s`
 the part before it, while generation could go on (receiving and checking the update), and
 `{transport}_pause_over_in_process` the pause ÷ the in-process reload. `{transport}_cpu_s` is the
 CPU time one update takes, all threads of the learner's side (this process) and of the service's
@@ -27,16 +27,16 @@ could take on them however well its parts overlapped, and `{transport}_cpu_floor
 that floor ÷ the in-process reload (when it is over 1.5, end to end <= 1.5 cannot be met on
 these cores).
 
-Two services per dtype, one after the other: `stage: true` stages each update (converts it into
+Two services per dtype, one after the other: `preload: true` preloads each update (converts it into
 the engine's layout in a thread of the worker while generation could go on, then pauses only to
-copy it in: generator_service/updates/worker_stage.py), `stage: false` (`--no-stage`) loads it
+copy it in: generator_service/updates/worker_preload.py), `preload: false` (`--no-preload`) loads it
 in the pause.
-With staging, `{transport}_stage_s` also holds the staging and the pause is the commit; its
+With preloading, `{transport}_preload_s` also holds the preloading and the pause is the commit; its
 `{transport}_over_in_process` ratios are the targets (pause <= 0.25, end to end <= 1.5). Prints
 one JSON line per dtype and mode: medians over the repeats, and the fastest repeat of each, after
 `--warmup` updates by each transport (and as many in-process reloads) that are not measured: a
-service's first updates are its slowest (its files and buffers are new; a staging worker's
-allocator reaches the steady state where each stage reuses the memory the one before freed after
+service's first updates are its slowest (its files and buffers are new; a preloading worker's
+allocator reaches the steady state where each preload reuses the memory the one before freed after
 a few updates).
 """
 
@@ -104,8 +104,8 @@ def main() -> None:
         help="updates by each transport (and in-process reloads) before those measured",
     )  # fmt: skip
     parser.add_argument(
-        "--stage", default="on,off",
-        help="services to measure: staged (on), reloading in the pause (off), or both",
+        "--preload", default="on,off",
+        help="services to measure: preloaded (on), reloading in the pause (off), or both",
     )  # fmt: skip
     parser.add_argument(
         "--address", default="",
@@ -142,7 +142,7 @@ def main() -> None:
         reload_times = in_process_reload_seconds(
             model_dir, dtype, tensors, args.repeats, args.warmup
         )
-        modes = [None] if args.address else args.stage.split(",")
+        modes = [None] if args.address else args.preload.split(",")
         for mode in modes:
             row = measure_service(args, model, params, model_dir, dtype, specs, mode)
             row.update(model=args.model, dtype=dtype, tensors=len(specs), bytes=num_bytes,
@@ -152,7 +152,7 @@ def main() -> None:
 
 def measure_service(args, model, params, model_dir, dtype, specs, mode) -> dict:
     """Publishes `args.repeats` updates by each transport, alternating, to `args.address` or to a
-    service started here (`mode` "on": staged, "off": --no-stage); their seconds."""
+    service started here (`mode` "on": preloaded, "off": --no-preload); their seconds."""
     from jaxrlhf.fleet.pool import GeneratorPool
     from jaxrlhf.fleet.service import start_server
     from jaxrlhf.models import iter_hf_tensors
@@ -160,13 +160,13 @@ def measure_service(args, model, params, model_dir, dtype, specs, mode) -> dict:
     server, address = None, args.address
     if not address:
         log = Path(tempfile.mkdtemp()) / "generator.log"
-        stage = {"on": "--stage", "off": "--no-stage"}[mode]
-        server = start_server(model_dir, log, ["--dtype", dtype, "--max-model-len", "256", stage])
+        preload = {"on": "--preload", "off": "--no-preload"}[mode]
+        server = start_server(model_dir, log, ["--dtype", dtype, "--max-model-len", "256", preload])
         address = server.address
     pools = {t: GeneratorPool([address], transport=t) for t in ("stream", "shared")}
     times: dict[str, list[float]] = {t: [] for t in pools}
     pauses: dict[str, list[float]] = {t: [] for t in pools}
-    stages: dict[str, list[float]] = {t: [] for t in pools}
+    preloads: dict[str, list[float]] = {t: [] for t in pools}
     cpus: dict[str, list[float]] = {t: [] for t in pools}
     service = server.process.pid if server is not None else (args.service_pid or None)
     try:
@@ -175,7 +175,7 @@ def measure_service(args, model, params, model_dir, dtype, specs, mode) -> dict:
             raise SystemExit(f"{address} serves {status.model} in {status.dtype}, not "
                              f"{model_dir} in {dtype}")  # fmt: skip
         version = status.policy_version
-        staged = status.staged_swaps
+        preloaded = status.preloaded_swaps
         for repeat in range(args.warmup + args.repeats):
             for transport, pool in pools.items():
                 version += 1
@@ -189,7 +189,7 @@ def measure_service(args, model, params, model_dir, dtype, specs, mode) -> dict:
                     continue
                 times[transport].append(stats.seconds)
                 pauses[transport].append(stats.pause_seconds)
-                stages[transport].append(stats.stage_seconds)
+                preloads[transport].append(stats.preload_seconds)
                 if service is not None:  # (a service not started here: its CPU is unknown)
                     cpus[transport].append(cpu)
     finally:
@@ -197,7 +197,13 @@ def measure_service(args, model, params, model_dir, dtype, specs, mode) -> dict:
             pool.close()
         if server is not None:
             server.terminate()
-    return {"stage": staged, "times": times, "pauses": pauses, "stages": stages, "cpus": cpus}
+    return {
+        "preload": preloaded,
+        "times": times,
+        "pauses": pauses,
+        "preloads": preloads,
+        "cpus": cpus,
+    }
 
 
 def cpu_seconds(service_pid: int | None) -> float:
@@ -220,8 +226,8 @@ def cpu_seconds(service_pid: int | None) -> float:
 def summarize(measured: dict, reload_times: list[float], num_bytes: int) -> dict:
     """One JSON row: the medians and ratios described in the module docstring."""
     reload_s = statistics.median(reload_times)
-    times, pauses, stages, cpus = (
-        measured.pop(k) for k in ("times", "pauses", "stages", "cpus")
+    times, pauses, preloads, cpus = (
+        measured.pop(k) for k in ("times", "pauses", "preloads", "cpus")
     )  # fmt: skip
     cores = len(os.sched_getaffinity(0))
     row = {**measured, "in_process_reload_s": round(reload_s, 3),
@@ -233,7 +239,7 @@ def summarize(measured: dict, reload_times: list[float], num_bytes: int) -> dict
         row[f"{transport}_gb_per_s"] = round(num_bytes / median / 1e9, 3)
         row[f"{transport}_ratio_over_in_process"] = round(median / reload_s, 2)
         row[f"{transport}_pause_s"] = round(statistics.median(pauses[transport]), 3)
-        row[f"{transport}_stage_s"] = round(statistics.median(stages[transport]), 3)
+        row[f"{transport}_preload_s"] = round(statistics.median(preloads[transport]), 3)
         if cpus[transport]:
             cpu = statistics.median(cpus[transport])
             row[f"{transport}_cpu_s"] = round(cpu, 3)

@@ -113,7 +113,7 @@ def _add_engine_options(group) -> None:
 
 
 def _add_update_options(group) -> None:
-    """How weight updates are received, staged and swapped in."""
+    """How weight updates are received, preloaded and swapped in."""
     group.add_argument(
         "--swap-mode",
         choices=SWAP_MODES,
@@ -130,24 +130,25 @@ def _add_update_options(group) -> None:
         "PipelineRL) or recompute it with the new weights at every swap",
     )
     group.add_argument(
-        "--staging-dir",
+        "--update-dir",
         default=None,
-        help="where weight updates are staged (default /dev/shm, else the temp folder)",
+        help="the folder of the file a streamed update is written into (default /dev/shm, else "
+        "the temp folder)",
     )
     group.add_argument(
-        "--stage",
+        "--preload",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="stage each weight update (convert it into the engine's layout while generation "
+        help="preload each weight update (convert it into the engine's layout while generation "
         "goes on, then pause only to copy it in): one more copy of the weights in memory while "
-        "an update is staged; --no-stage reloads in the pause, with one copy",
+        "an update is preloaded; --no-preload reloads in the pause, with one copy",
     )
     group.add_argument(
-        "--stage-threads",
+        "--preload-threads",
         type=int,
         default=1,
-        help="CPU threads of the staging thread (default 1: on a CPU backend it shares the cores "
-        "with generation; 0: torch's default)",
+        help="CPU threads of the preloading thread (default 1: on a CPU backend it shares the "
+        "cores with generation; 0: torch's default)",
     )
     group.add_argument(
         "--senders-timeout",
@@ -209,8 +210,8 @@ def option_error(args: argparse.Namespace) -> str | None:
             return f"{KV_CACHE_ENV}={os.environ[KV_CACHE_ENV]!r} is not a number of GiB"
     if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
         return f"a KV cache of {args.kv_cache_gib} GiB: it must be > 0"
-    if args.stage_threads < 0:
-        return f"--stage-threads={args.stage_threads}: must be >= 0"
+    if args.preload_threads < 0:
+        return f"--preload-threads={args.preload_threads}: must be >= 0"
     if args.cpu_reserved_cores is not None and args.cpu_reserved_cores < 0:
         return f"--cpu-reserved-cores={args.cpu_reserved_cores}: must be >= 0"
     if args.engine_threads < 0:
@@ -244,12 +245,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         executor=args.engine_executor,
         max_num_seqs=args.max_num_seqs,
         block_size=args.block_size,
-        staging_dir=args.staging_dir,
+        update_dir=args.update_dir,
         kv_cache_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
         swap_mode=args.swap_mode,
         in_flight_kv=args.in_flight_kv,
-        stage=args.stage,
-        stage_threads=args.stage_threads,
+        preload=args.preload,
+        preload_threads=args.preload_threads,
     )
 
 

@@ -10,7 +10,7 @@ rules:
 |---|---|
 | Generate calls: admission, submission, samples, the version of every token | calls.py |
 | swaps: the pause ("drain" or "in-flight"), a failed or cancelled swap | updates/swap.py |
-| staging control: begin, feed, wait for and drop a stage; staging off | updates/engine_stage.py |
+| preloads: begin, feed, wait for and drop one; preloading off | updates/engine_preload.py |
 | what it reports: the served version, occupancy, a swap's times | status.py |
 | its settings, and how vLLM is started from them | engine_config.py |
 
@@ -31,16 +31,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from generator_service.calls import Calls, Sample
 from generator_service.engine_config import (
     EngineConfig,
-    default_staging_dir,
+    default_update_dir,
     open_llm,
     served_weight_specs,
 )
 from generator_service.gate import VersionGate
 from generator_service.requests import Sampling
 from generator_service.status import Occupancy, Served, SwapTimes
-from generator_service.updates.engine_stage import StageControl
+from generator_service.updates.engine_preload import PreloadControl
 from generator_service.updates.swap import Swaps
-from generator_service.updates.tensors import StagedTensor
+from generator_service.updates.tensors import PreloadTensor
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +64,17 @@ class GeneratorEngine:
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         self.dtype: str = str(model_config.dtype).removeprefix("torch.")
-        self.staging_dir = config.staging_dir or default_staging_dir()
+        self.update_dir = config.update_dir or default_update_dir()
         self.weight_specs, self.weight_specs_error = served_weight_specs(config.model)
         # The engine's own limit on requests generating at once.
         self.max_num_seqs: int = self._llm.vllm_config.scheduler_config.max_num_seqs
         self.occupancy = Occupancy(self.max_num_seqs)
         self._served = Served()
         self._gate = VersionGate()
-        self._stages = StageControl(self._llm, self._served, config.stage, config.stage_threads)
-        self._swaps = Swaps(self._llm, self._gate, self._served, self.occupancy, self._stages,
+        self._preloads = PreloadControl(
+            self._llm, self._served, config.preload, config.preload_threads
+        )
+        self._swaps = Swaps(self._llm, self._gate, self._served, self.occupancy, self._preloads,
                             config.in_flight, config.in_flight_kv)  # fmt: skip
         self._calls = Calls(
             self._llm, self._gate, self._served, self.occupancy,
@@ -133,14 +135,14 @@ class GeneratorEngine:
         return self.config.in_flight
 
     @property
-    def stages(self) -> bool:
-        """Whether updates are staged (`EngineConfig.stage`, and the model can be)."""
-        return self._stages.enabled
+    def preloads(self) -> bool:
+        """Whether updates are preloaded (`EngineConfig.preload`, and the model can be)."""
+        return self._preloads.enabled
 
     @property
-    def stage_unsupported(self) -> str:
-        """Why this engine's updates cannot be staged (they are then reloaded in the pause)."""
-        return self._stages.unsupported
+    def preload_unsupported(self) -> str:
+        """Why this engine's updates cannot be preloaded (they are then reloaded in the pause)."""
+        return self._preloads.unsupported
 
     def validate(self, prompts: Sequence[tuple[str, Sequence[int]]], sampling: Sampling) -> None:
         """Raises GenerateError(INVALID_ARGUMENT) naming the first problem found, or
@@ -158,31 +160,31 @@ class GeneratorEngine:
 
     async def swap_weights(
         self,
-        staging_path: str,
-        tensors: list[StagedTensor],
+        update_path: str,
+        tensors: list[PreloadTensor],
         policy_version: int,
         allow_rollback: bool = False,
-        stage_id: int = 0,
+        preload_id: int = 0,
         update_id: str = "",
     ) -> SwapTimes:
-        """Loads a validated, complete update staged in `staging_path` as `policy_version`
+        """Loads a validated, complete update preloaded in `update_path` as `policy_version`
         (`Swaps.swap_weights`); `update_id` is recorded with the version."""
         return await self._swaps.swap_weights(
-            staging_path, tensors, policy_version, allow_rollback, stage_id, update_id
+            update_path, tensors, policy_version, allow_rollback, preload_id, update_id
         )
 
-    async def begin_stage(self, expected: Sequence[str]) -> int:
-        """Begins staging an update of the tensors named `expected`; its number, or 0 when this
-        engine does not stage (`StageControl.begin`)."""
-        return await self._stages.begin(expected)
+    async def begin_preload(self, expected: Sequence[str]) -> int:
+        """Begins preloading an update of the tensors named `expected`; its number, or 0 when this
+        engine does not preload (`PreloadControl.begin`)."""
+        return await self._preloads.begin(expected)
 
-    async def feed_stage(self, stage_id: int, path: str, tensors: list[StagedTensor]) -> None:
-        """Hands stage `stage_id` these complete tensors of `path` (`StageControl.feed`)."""
-        await self._stages.feed(stage_id, path, tensors)
+    async def feed_preload(self, preload_id: int, path: str, tensors: list[PreloadTensor]) -> None:
+        """Hands preload `preload_id` these complete tensors of `path` (`PreloadControl.feed`)."""
+        await self._preloads.feed(preload_id, path, tensors)
 
-    async def drop_stage(self) -> None:
-        """Stops and frees a staged or staging update, if any."""
-        await self._stages.drop()
+    async def drop_preload(self) -> None:
+        """Stops and frees a preloaded or preloading update, if any."""
+        await self._preloads.drop()
 
     def shutdown(self, timeout: float = ENGINE_STOP_TIMEOUT_S) -> None:
         """Stops the engine processes: SIGTERM, and SIGKILL for those still there after
@@ -191,7 +193,7 @@ class GeneratorEngine:
         teardown where it fails."""
         llm, self._llm = self._llm, None
         if llm is not None:
-            del self._calls, self._swaps, self._stages  # they hold it too
+            del self._calls, self._swaps, self._preloads  # they hold it too
             llm.shutdown(timeout=timeout)
             del llm
             gc.collect()

@@ -1,6 +1,6 @@
 """The engine's settings (`EngineConfig`) and what is made of them before it serves: vLLM's
 `AsyncLLM` (`open_llm`), the tensors an update must carry (`served_weight_specs`), the folder
-updates are staged in (`default_staging_dir`).
+updates are preloaded in (`default_update_dir`).
 
 Rules kept here:
 
@@ -46,9 +46,9 @@ class EngineConfig:
     executor: str | None = None
     max_num_seqs: int | None = None
     block_size: int | None = None  # None: vLLM's (128 on CPU: shorter prompts are never cached)
-    # Where updates are staged before the engine loads them (RAM-backed if possible; see
+    # Where updates are preloaded before the engine loads them (RAM-backed if possible; see
     # updates/bytes_file.py). None: /dev/shm when writable, else the system temp folder.
-    staging_dir: str | None = None
+    update_dir: str | None = None
     # The KV cache's size in bytes (it takes precedence over VLLM_CPU_KVCACHE_SPACE). None: on
     # CPU, `default_cpu_kv_cache_bytes()` (unless VLLM_CPU_KVCACHE_SPACE says otherwise); on
     # GPUs, gpu_memory_utilization decides.
@@ -56,12 +56,12 @@ class EngineConfig:
     # How a swap meets running requests (updates/swap.py).
     swap_mode: str = "drain"
     in_flight_kv: str = "keep"
-    # Staged swaps (updates/worker_stage.py): the update is converted into the engine's layout while
-    # generation goes on, and the pause only commits it. False: reload in the pause (one copy of
-    # the weights instead of two). `stage_threads`: CPU threads of the staging thread (on a
+    # Preloaded swaps (updates/worker_preload.py): the update is converted into the engine's layout
+    # while generation goes on, and the pause only commits it. False: reload in the pause (one copy
+    # of the weights instead of two). `preload_threads`: CPU threads of the preloading thread (on a
     # CPU backend it shares the cores with generation).
-    stage: bool = True
-    stage_threads: int = 1
+    preload: bool = True
+    preload_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.swap_mode not in SWAP_MODES:
@@ -154,7 +154,7 @@ def _resolve_model_dir(model: str) -> Path | None:
         return None
 
 
-def default_staging_dir() -> str:
+def default_update_dir() -> str:
     """/dev/shm when writable (RAM-backed), else the system temp folder."""
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK):

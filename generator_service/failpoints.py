@@ -13,9 +13,9 @@ Off unless `$JAXRLHF_FAILPOINTS` names a file. Each line of that file arms one p
   running request has generated 50 tokens: the swap lands at a known place in them;
 - `reload_weights 1 sleep=3`: hold its next swap for 3 s with the engine paused and the new
   weights loaded but not yet labelled (where a client's deadline can land mid-swap);
-- `stage_weights 1 sleep=2` / `stage_weights 1 fail`: hold its next staged update for 2 s
-  in the worker's staging thread, after loading and before processing, with generation going
-  on (a slow stage) / make that stage fail there.
+- `preload_weights 1 sleep=2` / `preload_weights 1 fail`: hold its next preloaded update for 2 s
+  in the worker's preloading thread, after loading and before processing, with generation going
+  on (a slow preload) / make that preload fail there.
 
 A point fires once: its line is removed from the file first (the file is deleted once empty),
 so a replica restarted with the same environment runs clean, and the lines left count their
@@ -33,7 +33,7 @@ from pathlib import Path
 
 ENV = "JAXRLHF_FAILPOINTS"
 POINTS = (
-    "generate_completion", "update_weights", "reload_weights", "pause_for_swap", "stage_weights"
+    "generate_completion", "update_weights", "reload_weights", "pause_for_swap", "preload_weights"
 )  # fmt: skip
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "fail": None}
 # Holds the caller performs itself (it knows what to wait for): `tokens=N`, until every running

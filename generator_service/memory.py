@@ -13,11 +13,11 @@ def keep_freed_memory(trim_bytes: int) -> None:
       With glibc's defaults, the freed ones are handed back to the kernel, and each message
       faults in and zeroes new pages: about a third of the server's CPU time while receiving
       an update. Kept, they are reused. The heap then stays at its peak, which is a few chunks.
-    - The worker (staged swaps, updates/worker_stage.py): each stage allocates a copy of the
-      weights and their packed form, freed once committed; kept, the next stage reuses those pages
-      instead of faulting in (and zeroing) new ones, which made a stage 2-5x slower and its time
+    - The worker (preloaded swaps, updates/worker_preload.py): each preload allocates a copy of the
+      weights and their packed form, freed once committed; kept, the next preload reuses those pages
+      instead of faulting in (and zeroing) new ones, which made a preload 2-5x slower and its time
       erratic on a CPU backend. The worker's resident memory then stays at its peak: the model plus
-      one stage.
+      one preload.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -2,7 +2,7 @@
 
 Messages are translated here and nowhere else; the engine and the update paths deal in plain
 Python values. Weight chunks are decoded by hand (`jaxrlhf_wire.chunks.decode_weight_chunk`) so
-that their data stays a view of the received message, written to the staging file without
+that their data stays a view of the received message, written to the update file without
 another copy (updates/receive_stream.py). The wire contract (stubs, chunk format, loopback rule,
 readiness line) comes from `jaxrlhf_wire`; this package never imports the learner's `jaxrlhf`.
 
@@ -63,7 +63,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
     def __init__(self, engine: GeneratorEngine, health_servicer: health.aio.HealthServicer,
                  senders_timeout: float = 60.0):  # fmt: skip
         self._engine = engine
-        # One update at a time: they share the staging file, and versions apply in order.
+        # One update at a time: they share the update file, and versions apply in order.
         self._applier = UpdateApplier(engine, health_servicer, asyncio.Lock())
         self._streams = StreamedUpdates(self._applier, senders_timeout)
         self._shared = SharedUpdates(self._applier, senders_timeout)
@@ -158,7 +158,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             await context.abort(error.code, error.message)
 
     def close(self) -> None:
-        """Deletes the staging file; call once the server has stopped."""
+        """Deletes the update file; call once the server has stopped."""
         self._streams.close()
 
     async def GetStatus(self, request, context) -> generator_pb2.GeneratorStatus:
@@ -179,7 +179,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             num_weight_tensors=len(engine.weight_specs or ()),
             vllm_version=engine.vllm_version,
             swap_pending=engine.swap_pending,
-            shared_weights_dir=engine.staging_dir if engine.weight_specs is not None else "",
+            shared_weights_dir=engine.update_dir if engine.weight_specs is not None else "",
             swap_mode=engine.config.swap_mode,
             in_flight_kv=engine.config.in_flight_kv if engine.in_flight else "",
             idle_seconds=idle_seconds,
@@ -187,12 +187,12 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             uptime_seconds=uptime_seconds,
             max_num_seqs=engine.max_num_seqs,
             occupancy=engine.occupancy.fraction(),
-            stage_seconds=applier.last_swap.stage_seconds,
+            preload_seconds=applier.last_swap.preload_seconds,
             pause_seconds=applier.last_swap.pause_seconds,
-            stage_tokens=applier.last_swap.stage_tokens,
-            staged_swaps=engine.stages,
-            staged_swaps_off=engine.stage_unsupported
-            or ("" if engine.config.stage else "started with --no-stage"),
+            preload_tokens=applier.last_swap.preload_tokens,
+            preloaded_swaps=engine.preloads,
+            preloaded_swaps_off=engine.preload_unsupported
+            or ("" if engine.config.preload else "started with --no-preload"),
             shared_progress=True,
             update_id=engine.update_id,
         )
@@ -205,8 +205,8 @@ def _response(applied: Applied) -> generator_pb2.UpdateWeightsResponse:
         num_bytes=applied.num_bytes,
         seconds=applied.seconds,
         pause_seconds=applied.swap.pause_seconds,
-        stage_seconds=applied.swap.stage_seconds,
-        stage_tokens=applied.swap.stage_tokens,
+        preload_seconds=applied.swap.preload_seconds,
+        preload_tokens=applied.swap.preload_tokens,
     )
 
 

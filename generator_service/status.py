@@ -9,7 +9,7 @@ translates them into messages).
 - `Occupancy`: how busy the engine was since it started, on the server's clock, with the span
   its totals cover (a client divides their changes by that span, not by its own clock's).
 - `SwapTimes`: what one swap took, while generation went on and while it was held back.
-- `TokenCounter`: the tokens running requests generated meanwhile (a stage's `stage_tokens`).
+- `TokenCounter`: the tokens running requests generated meanwhile (a preload's `preload_tokens`).
 """
 
 from __future__ import annotations
@@ -92,14 +92,14 @@ class Occupancy:
 
 @dataclass(frozen=True)
 class SwapTimes:
-    """What a swap took: `stage_seconds` while generation went on (converting the update into
-    the engine's layout; 0 when not staged), `pause_seconds` while it was held back, and
-    `stage_tokens`, the tokens generated while the update was staged (a lower bound: read every
+    """What a swap took: `preload_seconds` while generation went on (converting the update into
+    the engine's layout; 0 when not preloaded), `pause_seconds` while it was held back, and
+    `preload_tokens`, the tokens generated while the update was preloaded (a lower bound: read every
     few ms from the engine's running requests)."""
 
-    stage_seconds: float = 0.0
+    preload_seconds: float = 0.0
     pause_seconds: float = 0.0
-    stage_tokens: int = 0
+    preload_tokens: int = 0
 
 
 class TokenCounter:

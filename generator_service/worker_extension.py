@@ -1,11 +1,11 @@
 """Code that runs inside vLLM's worker process (`worker_extension_cls`), reached by collective_rpc.
 
-Loading a staged update: the staging file (updates/bytes_file.py) is mapped into memory and
+Loading a preloaded update: the update file (updates/bytes_file.py) is mapped into memory and
 every tensor handed to vLLM's in-place `reload_weights` is a view of its region
 (`weights_iterator`), so nothing is read or copied before vLLM copies each tensor into its
 parameter, exactly as when it reloads tensors already in memory. (Reloading from a folder instead
 would go through vLLM's checkpoint reader, which copies every tensor, and would repoint the model
-config at the staging folder.)
+config at the update folder.)
 
 Tied heads: on the CPU backend every linear layer packs its weight into a kernel-specific copy
 after loading. vLLM 0.32's in-place `reload_weights` repacks the layers it reloads, but a
@@ -41,15 +41,15 @@ _TORCH_DTYPES = {
 assert set(_TORCH_DTYPES) == set(WIRE_DTYPES), "every wire dtype needs its torch dtype"
 
 
-def map_staged_tensors(
+def map_preloaded_tensors(
     path: str, tensors: Sequence[Sequence]
 ) -> tuple[list[mmap.mmap], list[tuple[str, torch.Tensor]]]:
-    """Maps the regions of the staging file at `path` that hold `tensors` ([name, wire dtype,
+    """Maps the regions of the update file at `path` that hold `tensors` ([name, wire dtype,
     shape, byte position], as the server sends them, each at a page-aligned position); returns
     the maps and a (name, tensor view) per entry.
 
     Tensors that lie one after the other (each at the first aligned position after the last)
-    share one map: a whole update is one map; a part of an update fed to a stage while the rest
+    share one map: a whole update is one map; a part of an update fed to a preload while the rest
     is still arriving maps only its own regions. The views go through numpy because numpy holds
     the map's buffer while a view lives, so a map cannot be closed under a tensor
     (torch.frombuffer does not). MAP_POPULATE maps every page in one call instead of faulting
@@ -108,7 +108,7 @@ def _closer(maps: list[mmap.mmap], views: list, what: str):
                 mapped.close()
             except BufferError:
                 # Something still holds a view; the map goes when the last one is freed.
-                logger.warning("a view of the weight staging file outlived the %s", what)
+                logger.warning("a view of the weight update file outlived the %s", what)
 
     return close
 
@@ -156,30 +156,30 @@ def refresh_tied_heads(model: torch.nn.Module) -> int:
 class WeightReloadExtension:
     """Mixed into the vLLM worker class; `self` is the worker."""
 
-    _jaxrlhf_stage = None  # the staged update (staging.Stage), if any
-    _jaxrlhf_stage_id = 0  # the engine's number for it
+    _jaxrlhf_preload = None  # the preloaded update (preloading.Preload), if any
+    _jaxrlhf_preload_id = 0  # the engine's number for it
 
     def jaxrlhf_reseed(self, seed: int) -> None:
         """Re-seeds the RNG the sampler draws from (requests carry no generator of their own)."""
         torch.manual_seed(seed)
 
     def jaxrlhf_reload_weights(self, path: str, tensors: list) -> int:
-        """Reloads the staged tensors (see `map_staged_tensors`) in place; returns tied heads
+        """Reloads the preloaded tensors (see `map_preloaded_tensors`) in place; returns tied heads
         fixed."""
-        maps, views = map_staged_tensors(path, tensors)
+        maps, views = map_preloaded_tensors(path, tensors)
         try:
             self.reload_weights(weights_iterator=views, is_checkpoint_format=True)
         finally:
             _closer(maps, views, "reload")()
         return refresh_tied_heads(self.model_runner.get_model())
 
-    def jaxrlhf_begin_stage(self, expected: list, threads: int = 1, stage_id: int = 0) -> str:
-        """Starts staging an update of the tensors named `expected`, which `jaxrlhf_feed_stage`
-        hands in as they arrive; returns "" or why this model cannot be staged."""
-        from generator_service.updates.worker_stage import Stage
+    def jaxrlhf_begin_preload(self, expected: list, threads: int = 1, preload_id: int = 0) -> str:
+        """Starts preloading an update of the tensors named `expected`, which `jaxrlhf_feed_preload`
+        hands in as they arrive; returns "" or why this model cannot be preloaded."""
+        from generator_service.updates.worker_preload import Preload
 
-        if self._jaxrlhf_stage is not None:
-            self.jaxrlhf_drop_staged()  # left by a swap that failed before dropping it
+        if self._jaxrlhf_preload is not None:
+            self.jaxrlhf_drop_preloaded()  # left by a swap that failed before dropping it
         config = self.vllm_config
         if config.model_config.quantization is not None or config.lora_config is not None:
             return "quantized and LoRA models are reloaded in the pause"
@@ -187,44 +187,47 @@ class WeightReloadExtension:
             return "compiled CPU models are reloaded in the pause"
         if not torch.cuda.is_available():
             keep_freed_memory(trim_bytes=2 * _model_bytes(self.model_runner.get_model()) + GIB)
-        self._jaxrlhf_stage = Stage(self.model_runner.get_model(), expected, threads,
+        self._jaxrlhf_preload = Preload(self.model_runner.get_model(), expected, threads,
                                     device=self.device)  # fmt: skip
-        self._jaxrlhf_stage_id = stage_id
+        self._jaxrlhf_preload_id = preload_id
         return ""
 
-    def jaxrlhf_feed_stage(self, path: str, tensors: list, stage_id: int = 0) -> bool:
-        """Hands the stage begun as `stage_id` the `tensors` (see `map_staged_tensors`), whose
-        bytes are now all in `path`; False (and nothing mapped) if that stage is gone."""
-        stage = self._jaxrlhf_stage
-        if stage is None or self._jaxrlhf_stage_id != stage_id:
+    def jaxrlhf_feed_preload(self, path: str, tensors: list, preload_id: int = 0) -> bool:
+        """Hands the preload begun as `preload_id` the `tensors` (see `map_preloaded_tensors`),
+        whose bytes are now all in `path`; False (and nothing mapped) if that preload is gone."""
+        preload = self._jaxrlhf_preload
+        if preload is None or self._jaxrlhf_preload_id != preload_id:
             return False
-        maps, views = map_staged_tensors(path, tensors)
-        stage.feed(views, _closer(maps, views, "stage"))
+        maps, views = map_preloaded_tensors(path, tensors)
+        preload.feed(views, _closer(maps, views, "preload"))
         return True
 
-    def jaxrlhf_stage_status(self, stage_id: int = 0) -> dict:
+    def jaxrlhf_preload_status(self, preload_id: int = 0) -> dict:
         """{"state": "running" | "done" | "failed" | "unsupported" | "none", "error", "seconds",
-        and the seconds of its phases} of the stage begun as `stage_id` (0: of any); "none"
-        when the worker has no stage, or another one."""
-        stage = self._jaxrlhf_stage
-        if stage is not None and stage_id and stage_id != self._jaxrlhf_stage_id:
-            error = f"the worker stages update {self._jaxrlhf_stage_id}, not {stage_id}"
+        and the seconds of its phases} of the preload begun as `preload_id` (0: of any); "none"
+        when the worker has no preload, or another one."""
+        preload = self._jaxrlhf_preload
+        if preload is not None and preload_id and preload_id != self._jaxrlhf_preload_id:
+            error = f"the worker preloads update {self._jaxrlhf_preload_id}, not {preload_id}"
             return {"state": "none", "error": error, "seconds": 0.0}
-        return {"state": "none", "error": "", "seconds": 0.0} if stage is None else stage.status()
+        return (
+            {"state": "none", "error": "", "seconds": 0.0} if preload is None else preload.status()
+        )
 
-    def jaxrlhf_commit_staged(self, stage_id: int = 0) -> float:
-        """Puts the stage begun as `stage_id` (0: any) live (the engine is paused); returns its
-        seconds. Raises, changing nothing, when the worker has no stage or another one."""
-        if self._jaxrlhf_stage is None:
-            raise RuntimeError("no staged update to commit")
-        if stage_id and stage_id != self._jaxrlhf_stage_id:
+    def jaxrlhf_commit_preloaded(self, preload_id: int = 0) -> float:
+        """Puts the preload begun as `preload_id` (0: any) live (the engine is paused); returns its
+        seconds. Raises, changing nothing, when the worker has no preload or another one."""
+        if self._jaxrlhf_preload is None:
+            raise RuntimeError("no preloaded update to commit")
+        if preload_id and preload_id != self._jaxrlhf_preload_id:
             raise RuntimeError(
-                f"asked to commit stage {stage_id}, but the worker has {self._jaxrlhf_stage_id}"
+                f"asked to commit preload {preload_id}, but the worker has "
+                f"{self._jaxrlhf_preload_id}"
             )
-        return self._jaxrlhf_stage.commit()
+        return self._jaxrlhf_preload.commit()
 
-    def jaxrlhf_drop_staged(self) -> None:
-        """Stops and frees the staged update, if any (idempotent)."""
-        stage, self._jaxrlhf_stage = self._jaxrlhf_stage, None
-        if stage is not None:
-            stage.drop()
+    def jaxrlhf_drop_preloaded(self) -> None:
+        """Stops and frees the preloaded update, if any (idempotent)."""
+        preload, self._jaxrlhf_preload = self._jaxrlhf_preload, None
+        if preload is not None:
+            preload.drop()

@@ -10,7 +10,7 @@
   and the channel options both ends use.
 - `jaxrlhf_wire.dtypes`: the dtypes a weight may travel in, with their sizes, safetensors codes
   and numpy views.
-- `jaxrlhf_wire.files`: the page alignment of tensor regions in shared and staging files, and
+- `jaxrlhf_wire.files`: the page alignment of tensor regions in shared and update files, and
   the sweeper of files left by dead processes.
 - `jaxrlhf_wire.hosts`: the loopback rule, for gRPC targets (learner) and peers (server).
 - Here: the readiness line and the metadata keys.

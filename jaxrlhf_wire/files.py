@@ -1,4 +1,4 @@
-"""Tensor regions in files: the learner's shared weight files and the service's staging file.
+"""Tensor regions in files: the learner's shared weight files and the service's update file.
 
 Both lay tensors out raw, each region starting on a page boundary (`ALIGNMENT`), so that the
 engine gets aligned views when it maps the file.
@@ -19,7 +19,7 @@ file without one was made before files had one, and goes by the PID in its name 
 The count of a progressive shared file (SharedWeights.progressive) is stored by the learner
 while the server reads it, from another process. Two things must hold. A read never sees half a
 store: at 255 -> 256 a torn read says 0 (a decrease, which ends the update) or 511 (tensors not
-written yet, staged from the last version's bytes). And a reader that sees a count sees the
+written yet, preloaded from the last version's bytes). And a reader that sees a count sees the
 tensor bytes it counts, which the learner wrote before it through a shared mapping (on weakly
 ordered CPUs another core may see stores late and out of order). Python has neither an atomic
 8-byte store nor release/acquire ordering, so both come from the kernel: the count is stored
@@ -50,7 +50,7 @@ from pathlib import Path
 ALIGNMENT = 4096
 # The lock file beside each data file (module docstring).
 LOCK_SUFFIX = ".lock"
-# A shared weight file written while the server stages it (SharedWeights.progressive) counts
+# A shared weight file written while the server preloads it (SharedWeights.progressive) counts
 # its written tensors in its first bytes, as a little-endian uint64; this count means the
 # writer gave up.
 PROGRESS_BYTES = 8
@@ -99,7 +99,7 @@ def lock_file(path: str | os.PathLike) -> str:
 
 def remove_stale_files(directory: str, prefix: str) -> None:
     """Deletes the files named PREFIX*.bin in `directory` that no process owns (shared files of
-    dead learners, staging files of dead servers), whatever PID namespace their owners ran in:
+    dead learners, update files of dead servers), whatever PID namespace their owners ran in:
     those whose lock no process holds (module docstring), with their lock files."""
     for path in Path(directory).glob(f"{prefix}*.bin"):
         lock = Path(lock_file(path))

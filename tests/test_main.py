@@ -215,15 +215,15 @@ def test_a_uni_engine_computes_on_the_cores_left_to_it(monkeypatch):
     )
 
 
-def test_a_started_generator_stages_its_swaps_unless_told():
+def test_a_started_generator_preloads_its_swaps_unless_told():
     from jaxrlhf.config import base_config
     from jaxrlhf.experiments.services import swap_setting
     from jaxrlhf.fleet.service import engine_args
 
     gen = base_config().generator
-    assert "--stage" in engine_args(gen) and swap_setting(gen) == "drain"
-    gen.stage = False
-    assert "--no-stage" in engine_args(gen) and swap_setting(gen) == "drain-no-stage"
+    assert "--preload" in engine_args(gen) and swap_setting(gen) == "drain"
+    gen.preload = False
+    assert "--no-preload" in engine_args(gen) and swap_setting(gen) == "drain-no-preload"
 
 
 PIN_CHECK = """

@@ -8,13 +8,13 @@
    error that refuses one;
 4. `assemble`: each chunk checked against those specs and placed;
 5. `bytes_file`: the raw file the bytes land in, at each tensor's place;
-6. `feed`: each tensor handed on as soon as its bytes are all in (staging while it arrives);
-7. staging, the new weights converted beside the live ones while generation goes on:
-   `engine_stage` (the engine's side: begin, feed, wait, drop), `worker_stage` (inside vLLM's
+6. `feed`: each tensor handed on as soon as its bytes are all in (preloading while it arrives);
+7. preloading, the new weights converted beside the live ones while generation goes on:
+   `engine_preload` (the engine's side: begin, feed, wait, drop), `worker_preload` (inside vLLM's
    worker) and `shadow` (the model's shadow it loads into);
-8. `swap`: the pause that puts a staged update live, drain or in-flight;
+8. `swap`: the pause that puts a preloaded update live, drain or in-flight;
 9. `apply`: the update lock, the swap through the engine, the ids the server records.
 
-A malformed update is refused at steps 1-6, before anything live changes; a stage that fails
+A malformed update is refused at steps 1-6, before anything live changes; a preload that fails
 changes nothing live either.
 """

@@ -2,14 +2,14 @@
 records of it. Both ways an update comes use it: a stream (receive_stream.py) and a shared
 file (receive_shared.py).
 
-- One update at a time (`lock`): they share the staging file, and versions apply in order.
+- One update at a time (`lock`): they share the update file, and versions apply in order.
 - `update_id` (GetStatus) names the update that put the served weights in place. The engine
   records it with the version, in the same step (status.py `Served`), so GetStatus never shows
   a new version under the previous update's id. That also holds when the call is cancelled
   after the swap's pause began (the swap then runs to its end: a learner whose answer was lost
   can tell its update was applied). It is cleared while a failed swap has left the weights
   unknown.
-- `last_swap` (GetStatus): the last successful update's times; its `stage_seconds` count the
+- `last_swap` (GetStatus): the last successful update's times; its `preload_seconds` count the
   time the update took to arrive and be checked (generation went on meanwhile).
 - An update that fails on an error of the server's own is answered INTERNAL with what the
   engine serves now, and no class names, messages or paths of the server's (the log has them).
@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2
 
 from generator_service.engine import GeneratorEngine
 from generator_service.status import SwapTimes
-from generator_service.updates.tensors import StagedTensor, WeightUpdateError
+from generator_service.updates.tensors import PreloadTensor, WeightUpdateError
 from jaxrlhf_wire.stubs import SERVICE_NAME
 
 
@@ -55,21 +55,26 @@ class UpdateApplier:
     async def apply(
         self,
         path: str,
-        tensors: list[StagedTensor],
+        tensors: list[PreloadTensor],
         policy_version: int,
         allow_rollback: bool,
-        stage_id: int,
+        preload_id: int,
         update_id: str,
         received_seconds: float,
     ) -> SwapTimes:
-        """`Engine.swap_weights` of the update in `path` (staged as `stage_id`, 0: none),
+        """`Engine.swap_weights` of the update in `path` (preloaded as `preload_id`, 0: none),
         which took `received_seconds` to arrive and be checked, named `update_id`; keeps the
         swap's times (module docstring)."""
         swap = await self.engine.swap_weights(
-            path, tensors, policy_version, allow_rollback, stage_id=stage_id, update_id=update_id
+            path,
+            tensors,
+            policy_version,
+            allow_rollback,
+            preload_id=preload_id,
+            update_id=update_id,
         )
         self.last_swap = dataclasses.replace(
-            swap, stage_seconds=received_seconds + swap.stage_seconds
+            swap, preload_seconds=received_seconds + swap.preload_seconds
         )
         return self.last_swap
 

@@ -1,4 +1,4 @@
-"""A streamed weight update's chunks, checked as they come and placed in the staging file.
+"""A streamed weight update's chunks, checked as they come and placed in the update file.
 
 Every chunk's bytes are written straight to their final place in one file (the tensor's region
 + the chunk's offset) as they arrive, so the update is never assembled in memory. Regions are
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from generator_service.updates.tensors import (
-    StagedTensor,
+    PreloadTensor,
     TensorSpec,
     WeightUpdateError,
     check_tensor,
@@ -114,7 +114,7 @@ class _Slice:
 
 @dataclass
 class _PartialTensor:
-    """One tensor being received: its region of the staging file and the slices started so far
+    """One tensor being received: its region of the update file and the slices started so far
     (the whole tensor is one slice)."""
 
     spec: TensorSpec
@@ -181,8 +181,8 @@ class _PartialTensor:
     def missing_description(self) -> str:
         return f"{self.spec.name} (received {self.received} of {self.nbytes} bytes)"
 
-    def staged(self) -> StagedTensor:
-        return StagedTensor(self.spec.name, self.wire_dtype, self.spec.shape, self.position,
+    def preloaded(self) -> PreloadTensor:
+        return PreloadTensor(self.spec.name, self.wire_dtype, self.spec.shape, self.position,
                             self.nbytes)  # fmt: skip
 
 
@@ -191,7 +191,7 @@ class WeightAssembler:
 
     Every update must carry the complete set of the served model's tensors: vLLM's in-place reload
     materialises each layer afresh, so a layer given only some of its tensors would keep garbage
-    in the rest. `add` returns where in the staging file a chunk's bytes go; the caller writes
+    in the rest. `add` returns where in the update file a chunk's bytes go; the caller writes
     them there. The chunks of several streams (senders) of one update may go through one
     assembler: each tensor may come as slices, from any of them. The file grows to one copy of
     the model in the dtypes sent.
@@ -207,9 +207,9 @@ class WeightAssembler:
         self.update_id = ""
         self.num_chunks = 0
         self.num_bytes = 0
-        self.staged_bytes = 0  # the end of the last region handed out: the file's size
+        self.file_bytes = 0  # the end of the last region handed out: the file's size
         self._tensors: dict[str, _PartialTensor] = {}
-        self._completed: list[StagedTensor] = []  # since the last `take_completed`
+        self._completed: list[PreloadTensor] = []  # since the last `take_completed`
 
     def add(
         self,
@@ -226,7 +226,7 @@ class WeightAssembler:
         num_senders: int = 0,
         update_id: str = "",
     ) -> list[tuple[int, memoryview]]:
-        """Checks one chunk; returns (byte position in the staging file, bytes) for each part
+        """Checks one chunk; returns (byte position in the update file, bytes) for each part
         of `data` (one, unless the chunk carries a slice whose rows lie apart in the tensor).
 
         Raises WeightUpdateError on the first problem.
@@ -265,10 +265,10 @@ class WeightAssembler:
         pieces = partial.add(tuple(slice_start), tuple(slice_shape), offset, memoryview(data))
         self.num_bytes += len(data)
         if partial.complete:  # (a tensor's bytes are never counted twice: complete once)
-            self._completed.append(partial.staged())
+            self._completed.append(partial.preloaded())
         return pieces
 
-    def take_completed(self) -> list[StagedTensor]:
+    def take_completed(self) -> list[PreloadTensor]:
         """The tensors whose last bytes the chunks added since the last call brought."""
         completed, self._completed = self._completed, []
         return completed
@@ -288,13 +288,13 @@ class WeightAssembler:
         if len(self._tensors) >= len(self.specs):
             raise _invalid(f"{where}: more than num_tensors={self.num_tensors} tensors")
         nbytes = tensor_nbytes(dtype, shape)
-        position = aligned(self.staged_bytes)
-        self.staged_bytes = position + nbytes
+        position = aligned(self.file_bytes)
+        self.file_bytes = position + nbytes
         partial = _PartialTensor(spec, dtype, position, nbytes)
         self._tensors[name] = partial
         return partial
 
-    def finish(self) -> list[StagedTensor]:
+    def finish(self) -> list[PreloadTensor]:
         """Called at the end of the stream: every tensor present and complete, or DATA_LOSS.
 
         Returns the tensors in the order they started (the learner's, layer by layer, which is
@@ -314,7 +314,7 @@ class WeightAssembler:
                 f"the stream for policy_version {self.policy_version} ended before all "
                 f"{self.num_tensors} tensors were complete; " + "; ".join(parts),
             )
-        return [p.staged() for p in self._tensors.values()]
+        return [p.preloaded() for p in self._tensors.values()]
 
 
 def _invalid(message: str) -> WeightUpdateError:

@@ -1,8 +1,8 @@
-"""The file an update is staged in: written chunk by chunk where the assembler places each
-chunk's bytes (assemble.py), then loaded by the engine.
+"""The file a streamed update is written into, chunk by chunk, where the assembler places
+each chunk's bytes (assemble.py), then loaded by the engine.
 
 The file is raw bytes, not safetensors: the engine gets each tensor's name, dtype, shape and
-position with the reload (or stage) call, maps the file and loads views of it
+position with the reload (or preload) call, maps the file and loads views of it
 (`worker_extension.py`). Pure Python (no torch).
 """
 
@@ -26,18 +26,19 @@ logger = logging.getLogger(__name__)
 
 
 def minimum_update_bytes(specs: dict[str, TensorSpec]) -> int:
-    """The least staging space a complete update can take (every tensor in a 2-byte dtype)."""
+    """The least space in the update file a complete update can take (every tensor in a 2-byte
+    dtype)."""
     smallest = min(dtype.itemsize for dtype in WIRE_DTYPES.values())
     return sum(math.prod(spec.shape) * smallest for spec in specs.values())
 
 
-class StagingFile:
-    """The file updates are staged in, written chunk by chunk at the positions given by
+class UpdateFile:
+    """The file updates are written into chunk by chunk, at the positions given by
     `WeightAssembler.add`, then loaded by the engine; one update at a time.
 
     One file serves every update of a server: its pages stay allocated, and writing over them
     costs about half as much as writing into fresh ones (measured on tmpfs), at the price of
-    keeping one copy of the model in the staging folder between updates. Files left by servers
+    keeping one copy of the model in the update folder between updates. Files left by servers
     that died are removed when a server creates its own (those whose lock no process holds:
     `jaxrlhf_wire.files`, whatever PID namespace the servers run in).
 
@@ -58,12 +59,12 @@ class StagingFile:
         except OSError as error:
             raise WeightUpdateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"cannot create a staging file in {directory}: {error.strerror}",
+                f"cannot create an update file in {directory}: {error.strerror}",
             ) from error
         self._fd: int | None = fd
         self._max_pending = max_pending
         self._pending: deque[asyncio.Future] = deque()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-staging")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update-file")
 
     def check_space(self, min_bytes: int) -> None:
         """Refuses an update that cannot fit, before any of it is received."""
@@ -71,7 +72,7 @@ class StagingFile:
         if free < min_bytes:
             raise WeightUpdateError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"staging the update needs at least {min_bytes} bytes free in "
+                f"writing the update needs at least {min_bytes} bytes free in "
                 f"{self.directory}, which has {free}",
             )
 
@@ -104,10 +105,10 @@ class StagingFile:
         except OSError as error:
             # The file is the server's own: its path goes to the log, the folder (the status's
             # shared_weights_dir) and the reason to the client.
-            logger.error("writing the staging file %s failed: %s", self.path, error)
+            logger.error("writing the update file %s failed: %s", self.path, error)
             raise WeightUpdateError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"could not stage the update in {self.directory}: {error.strerror}",
+                f"could not write the update in {self.directory}: {error.strerror}",
             ) from error
 
     def _write(self, pieces: list[tuple[int, memoryview]]) -> None:

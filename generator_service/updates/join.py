@@ -5,7 +5,7 @@ A multi-process learner publishes with no gather: each of its N processes opens 
 with `num_senders = N` and its `sender` index, and sends the slices of the tensors that its
 devices hold (`WeightChunk.slice_start/slice_shape`). The server joins the N streams into one
 `Update`: every chunk of every stream goes through the update's one `WeightAssembler` into the
-one staging file, and the version is swapped in once when the last stream has ended and every
+one update file, and the version is swapped in once when the last stream has ended and every
 byte of every tensor has arrived exactly once. Every stream is then answered alike: the same
 response, or the same refusal.
 
@@ -20,7 +20,7 @@ response, or the same refusal.
 - One stream's failure (a malformed chunk, an overlap, its call cancelled) refuses the update;
   the streams still sending are answered with it at their next chunk, those waiting at once.
 - An update is received only while it holds the servicer's update lock (one update at a time:
-  they share the staging file, and versions apply in order), and it releases it only once every
+  they share the update file, and versions apply in order), and it releases it only once every
   write it queued has settled.
 
 A single stream (`num_senders` 0 or 1) is an Update of one sender, through the same code.
@@ -76,12 +76,12 @@ class Update:
         self.started = time.monotonic()
         self.joined: set[int] = set()
         self.finished: set[int] = set()
-        self.ready = asyncio.Event()  # the lock is held and `assembler`/`staging` are set
+        self.ready = asyncio.Event()  # the lock is held and `assembler`/`file` are set
         self.result: asyncio.Future = asyncio.get_running_loop().create_future()
         self.assembler = None
-        self.staging = None
-        self.stage_id = 0  # the engine's stage begun for it (generator_service/updates/feed.py)
-        self.feeder = None  # feeding that stage, until the swap takes it over
+        self.file = None
+        self.preload_id = 0  # the engine's preload begun for it (generator_service/updates/feed.py)
+        self.feeder = None  # feeding that preload, until the swap takes it over
 
     @property
     def all_joined(self) -> bool:
@@ -127,7 +127,7 @@ class UpdateJoiner:
                  release: Callable[[Update], Awaitable[None]]) -> None:  # fmt: skip
         self._lock = lock
         self.join_timeout = join_timeout
-        self._prepare = prepare  # makes the assembler and the staging file, under the lock
+        self._prepare = prepare  # makes the assembler and the update file, under the lock
         self._release = release  # settles the update's writes, before the lock is released
         self._open: Update | None = None  # the update that senders are still joining
         self._running: set[asyncio.Task] = set()  # each update's `_run` (held: never collected)

@@ -2,21 +2,21 @@
 (UpdateWeightsShared): no bytes are received, the engine maps the learner's file directly.
 
 - Only a peer on this host may send one (server.py checks), naming a file directly inside the
-  shared folder (the staging folder), whose layout is checked against the served model before
+  shared folder (the update folder), whose layout is checked against the served model before
   the engine sees it (tensors.py: `shared_file_path`, `check_shared_layout`).
 - One update at a time, under the same lock as streamed ones (apply.py).
 - A `progressive` update is sent before the file is written: the learner counts the tensors
   written in the file's first bytes (`jaxrlhf_wire.files`; a count is read under the file's
   lock, never torn nor before the tensors it counts). The server reads the count every
   `PROGRESS_POLL_SECONDS[0]` s, doubling to `PROGRESS_POLL_SECONDS[1]` s while it stands
-  still, and hands each written tensor to a stage begun at once (engine_stage.py), so the
-  update is staged as it is written.
+  still, and hands each written tensor to a preload begun at once (engine_preload.py), so the
+  update is preloaded as it is written.
 - Following a progressive update, the update is refused: ABORTED when the learner gave up
   writing, or when the count stood still for `senders_timeout` seconds (a stall is transient:
   the learner fails the replica and brings it back, where a precondition would end its run);
-  INVALID_ARGUMENT when the count shrinks or passes the tensors listed. A stage that cannot
-  begin, or whose feed fails, is dropped: the swap then stages from scratch.
-- A stage begun for the update and not handed to its swap is dropped when the update ends.
+  INVALID_ARGUMENT when the count shrinks or passes the tensors listed. A preload that cannot
+  begin, or whose feed fails, is dropped: the swap then preloads from scratch.
+- A preload begun for the update and not handed to its swap is dropped when the update ends.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from generator_service.status import SwapTimes
 from generator_service.updates.apply import Applied, UpdateApplier
 from generator_service.updates.swap import finish_despite_cancellation
 from generator_service.updates.tensors import (
-    StagedTensor,
+    PreloadTensor,
     WeightUpdateError,
     check_progress_page,
     check_shared_layout,
@@ -88,25 +88,25 @@ class SharedUpdates:
         num_bytes = sum(tensor.nbytes for tensor in tensors)
         logger.info(
             "policy_version %d live: %d tensors, %d bytes from shared file %s%s, %.2fs "
-            "(staged by %.2fs, paused %.2fs)",
+            "(preloaded by %.2fs, paused %.2fs)",
             request.policy_version,
             len(tensors),
             num_bytes,
             path,
-            " (staged as written)" if request.progressive else "",
+            " (preloaded as written)" if request.progressive else "",
             seconds,
-            swap.stage_seconds,
+            swap.preload_seconds,
             swap.pause_seconds,
         )
         return Applied(request.policy_version, len(tensors), num_bytes, seconds, swap)
 
     async def _swap(
         self, request: SharedFile, started: float
-    ) -> tuple[str, list[StagedTensor], SwapTimes]:
+    ) -> tuple[str, list[PreloadTensor], SwapTimes]:
         """Under the update lock: the file checked (and followed, when progressive) and
         swapped in; (its path, its tensors, the swap's times)."""
         engine = self._engine
-        path = shared_file_path(request.path, engine.staging_dir)
+        path = shared_file_path(request.path, engine.update_dir)
         tensors = check_shared_layout(
             engine.weight_specs,
             engine.policy_version,
@@ -115,32 +115,32 @@ class SharedUpdates:
             shared_file_size(path),
             request.allow_rollback,
         )
-        stage_id = 0
+        preload_id = 0
         try:
             if request.progressive:
                 check_progress_page(tensors)
-                if engine.stages:
+                if engine.preloads:
                     try:
-                        stage_id = await engine.begin_stage([t.name for t in tensors])
-                    except Exception:  # noqa: BLE001 - staged after the writes instead
-                        logger.exception("beginning a stage failed")
-                stage_id = await self._follow(path, tensors, stage_id, request.policy_version)
+                        preload_id = await engine.begin_preload([t.name for t in tensors])
+                    except Exception:  # noqa: BLE001 - preloaded after the writes instead
+                        logger.exception("beginning a preload failed")
+                preload_id = await self._follow(path, tensors, preload_id, request.policy_version)
             checked_seconds = time.monotonic() - started
             failpoints.hit("update_weights")  # (chaos tests only)
-            handed, stage_id = stage_id, 0  # the swap drops it from here on
+            handed, preload_id = preload_id, 0  # the swap drops it from here on
             swap = await self._applier.apply(
                 path, tensors, request.policy_version, request.allow_rollback, handed,
                 request.update_id, checked_seconds,
             )  # fmt: skip
         finally:
-            if stage_id:  # begun, and the update ended before its swap
-                await finish_despite_cancellation(asyncio.ensure_future(engine.drop_stage()))
+            if preload_id:  # begun, and the update ended before its swap
+                await finish_despite_cancellation(asyncio.ensure_future(engine.drop_preload()))
         return path, tensors, swap
 
-    async def _follow(self, path: str, tensors: list, stage_id: int, version: int) -> int:
+    async def _follow(self, path: str, tensors: list, preload_id: int, version: int) -> int:
         """Until the learner has written every tensor of a progressive shared update, handing
-        each written tensor to stage `stage_id` (0: none); returns the stage, or 0 when feeding
-        it failed (it is then dropped, and the swap stages from scratch). Raises
+        each written tensor to preload `preload_id` (0: none); returns the preload, or 0 when
+        feeding it failed (it is then dropped, and the swap preloads from scratch). Raises
         WeightUpdateError as the module docstring says, or when the file cannot be read."""
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -153,8 +153,8 @@ class SharedUpdates:
             while fed < len(tensors):
                 count = _written(fd, fed, len(tensors), version)
                 if count > fed:
-                    if stage_id:
-                        stage_id = await self._feed(stage_id, path, tensors[fed:count])
+                    if preload_id:
+                        preload_id = await self._feed(preload_id, path, tensors[fed:count])
                     fed, moved, poll = count, time.monotonic(), PROGRESS_POLL_SECONDS[0]
                 elif time.monotonic() - moved > self._senders_timeout:
                     raise WeightUpdateError(
@@ -169,17 +169,18 @@ class SharedUpdates:
                     poll = min(2 * poll, PROGRESS_POLL_SECONDS[1])
         finally:
             os.close(fd)
-        return stage_id
+        return preload_id
 
-    async def _feed(self, stage_id: int, path: str, tensors: list) -> int:
-        """`tensors` handed to stage `stage_id`; the stage, or 0 when that failed (dropped)."""
+    async def _feed(self, preload_id: int, path: str, tensors: list) -> int:
+        """`tensors` handed to preload `preload_id`; the preload, or 0 when that failed
+        (dropped)."""
         try:
-            await self._engine.feed_stage(stage_id, path, tensors)
-        except Exception:  # noqa: BLE001 - the swap stages from scratch
-            logger.exception("feeding the stage failed")
-            await finish_despite_cancellation(asyncio.ensure_future(self._engine.drop_stage()))
+            await self._engine.feed_preload(preload_id, path, tensors)
+        except Exception:  # noqa: BLE001 - the swap preloads from scratch
+            logger.exception("feeding the preload failed")
+            await finish_despite_cancellation(asyncio.ensure_future(self._engine.drop_preload()))
             return 0
-        return stage_id
+        return preload_id
 
 
 def _written(fd: int, fed: int, total: int, version: int) -> int:

@@ -1,12 +1,12 @@
 """An update that arrives as UpdateWeights streams: each stream's chunks checked and written
-into the staging file, the update swapped in when its last sender's stream ends, and one
+into the update file, the update swapped in when its last sender's stream ends, and one
 answer for every sender.
 
 - The streams of one update join it (join.py: who joins, the join timeout, the update
   lock). Under the lock, before any byte is received, the update gets its assembler, the
-  staging file (made by the first update; refused when the update cannot fit) and, when the
-  engine stages, a stage begun at once and fed as tensors complete (feed.py). A stage that
-  cannot begin is not an error: the swap stages from scratch after the stream.
+  update file (made by the first update; refused when the update cannot fit) and, when the
+  engine preloads, a preload begun at once and fed as tensors complete (feed.py). A preload that
+  cannot begin is not an error: the swap preloads from scratch after the stream.
 - Every chunk must say the sender of its stream. A malformed chunk, an overlap or a refusal of
   any stream refuses the update; each sender is answered with that refusal, at its next chunk
   or at once when it waits.
@@ -15,7 +15,7 @@ answer for every sender.
   is live and the other senders are told so (this call's timings are lost with it). Cancelled
   earlier (while sending, or waiting for the others or for the swap): the update is refused,
   ABORTED, and may be sent again.
-- Before the lock is released, every write the update queued has settled, and a stage begun
+- Before the lock is released, every write the update queued has settled, and a preload begun
   for it and not handed to a swap is dropped.
 """
 
@@ -30,8 +30,8 @@ import grpc
 from generator_service import failpoints
 from generator_service.updates.apply import Applied, UpdateApplier
 from generator_service.updates.assemble import WeightAssembler
-from generator_service.updates.bytes_file import StagingFile, minimum_update_bytes
-from generator_service.updates.feed import StageFeeder, write_and_feed
+from generator_service.updates.bytes_file import UpdateFile, minimum_update_bytes
+from generator_service.updates.feed import PreloadFeeder, write_and_feed
 from generator_service.updates.join import Update, UpdateJoiner
 from generator_service.updates.swap import finish_despite_cancellation
 from generator_service.updates.tensors import WeightUpdateError
@@ -48,7 +48,7 @@ class StreamedUpdates:
         self._applier = applier
         self._engine = applier.engine
         self._joiner = UpdateJoiner(applier.lock, senders_timeout, self._prepare, self._release)
-        self._staging: StagingFile | None = None  # created by the first update
+        self._update_file: UpdateFile | None = None  # created by the first update
 
     async def receive(self, chunks) -> Applied:
         """One stream of `ReceivedChunk`s (`jaxrlhf_wire.chunks.decode_weight_chunk`): the
@@ -122,7 +122,7 @@ class StreamedUpdates:
             header.num_senders,
             update_id=header.update_id,
         )
-        await write_and_feed(update.assembler, update.staging, pieces, update.feeder)
+        await write_and_feed(update.assembler, update.file, pieces, update.feeder)
 
     def _cancelled(self, update: Update, sender: int, swapping: bool, swapped: bool) -> None:
         """Sender `sender`'s call was cancelled; `swapped`: in the pause, which the swap
@@ -142,64 +142,66 @@ class StreamedUpdates:
             ))  # fmt: skip
 
     async def _prepare(self, update: Update) -> None:
-        """Under the update lock, before any byte is received: the assembler and the staging
-        file of `update`, and its stage."""
+        """Under the update lock, before any byte is received: the assembler and the update
+        file of `update`, and its preload."""
         update.started = time.monotonic()
         specs = self._engine.weight_specs
         update.assembler = WeightAssembler(specs, self._engine.policy_version)
-        if self._staging is None:
-            self._staging = StagingFile(self._engine.staging_dir)
-        self._staging.check_space(minimum_update_bytes(specs))
-        update.staging = self._staging
-        if self._engine.stages:
-            # Staged as it arrives (generator_service/updates/feed.py).
+        if self._update_file is None:
+            self._update_file = UpdateFile(self._engine.update_dir)
+        self._update_file.check_space(minimum_update_bytes(specs))
+        update.file = self._update_file
+        if self._engine.preloads:
+            # Preloaded as it arrives (generator_service/updates/feed.py).
             try:
-                stage_id = await self._engine.begin_stage(list(specs))
-            except Exception:  # noqa: BLE001 - staged after the stream instead
-                logger.exception("beginning a stage failed")
-                stage_id = 0
-            if stage_id:
-                path = self._staging.path
+                preload_id = await self._engine.begin_preload(list(specs))
+            except Exception:  # noqa: BLE001 - preloaded after the stream instead
+                logger.exception("beginning a preload failed")
+                preload_id = 0
+            if preload_id:
+                path = self._update_file.path
 
                 async def feed(tensors) -> None:
-                    await self._engine.feed_stage(stage_id, path, tensors)
+                    await self._engine.feed_preload(preload_id, path, tensors)
 
-                update.stage_id, update.feeder = stage_id, StageFeeder(feed)
+                update.preload_id, update.feeder = preload_id, PreloadFeeder(feed)
 
     async def _release(self, update: Update) -> None:
         """Before the update lock is released: every write `update` queued has settled, and
-        a stage begun for it and not handed to a swap is dropped."""
-        if update.staging is not None:
-            await update.staging.settle()
+        a preload begun for it and not handed to a swap is dropped."""
+        if update.file is not None:
+            await update.file.settle()
         if update.feeder is not None:  # refused before its swap
             await update.feeder.abandon()
             update.feeder = None
-            await self._engine.drop_stage()
+            await self._engine.drop_preload()
         await self._applier.publish_health()
 
     async def _swap(self, update: Update) -> Applied:
         """The received update checked complete and swapped in."""
-        assembler, staging = update.assembler, update.staging
+        assembler, update_file = update.assembler, update.file
         tensors = assembler.finish()
-        await staging.flush(assembler.staged_bytes)
+        await update_file.flush(assembler.file_bytes)
         received_seconds = time.monotonic() - update.started
         failpoints.hit("update_weights")  # (chaos tests only)
-        stage_id = 0
-        if update.feeder is not None:  # the stage goes to the swap, which drops it after
+        preload_id = 0
+        if update.feeder is not None:  # the preload goes to the swap, which drops it after
             fed = await update.feeder.close()
             if fed:
-                stage_id = update.stage_id
-            else:  # staged from scratch by the swap
-                await finish_despite_cancellation(asyncio.ensure_future(self._engine.drop_stage()))
+                preload_id = update.preload_id
+            else:  # preloaded from scratch by the swap
+                await finish_despite_cancellation(
+                    asyncio.ensure_future(self._engine.drop_preload())
+                )
             update.feeder = None  # (after the drop: if it is cancelled, `_release` drops it)
         swap = await self._applier.apply(
-            staging.path, tensors, assembler.policy_version, assembler.allow_rollback,
-            stage_id, update.key.update_id, received_seconds,
+            update_file.path, tensors, assembler.policy_version, assembler.allow_rollback,
+            preload_id, update.key.update_id, received_seconds,
         )  # fmt: skip
         seconds = time.monotonic() - update.started
         logger.info(
             "policy_version %d live: %d tensors, %d bytes in %d chunks from %d sender(s), "
-            "%.2fs (received in %.2fs, staged by %.2fs, paused %.2fs)",
+            "%.2fs (received in %.2fs, preloaded by %.2fs, paused %.2fs)",
             assembler.policy_version,
             len(tensors),
             assembler.num_bytes,
@@ -207,13 +209,13 @@ class StreamedUpdates:
             update.key.num_senders,
             seconds,
             received_seconds,
-            swap.stage_seconds,
+            swap.preload_seconds,
             swap.pause_seconds,
         )
         return Applied(assembler.policy_version, len(tensors), assembler.num_bytes, seconds, swap)
 
     def close(self) -> None:
-        """Deletes the staging file; call once the server has stopped."""
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        """Deletes the update file; call once the server has stopped."""
+        if self._update_file is not None:
+            self._update_file.close()
+            self._update_file = None

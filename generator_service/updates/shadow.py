@@ -1,23 +1,24 @@
-"""The shadow of a model that a stage loads an update into (worker_stage.py), inside vLLM's worker.
+"""The shadow of a model that a preload loads an update into (worker_preload.py), inside
+vLLM's worker.
 
 vLLM's in-place `reload_weights` cannot overlap generation: while it loads, the live modules'
-parameters are replaced by meta tensors. A stage instead loads into a *shadow* of the model
+parameters are replaced by meta tensors. A preload instead loads into a *shadow* of the model
 (`build_shadow`):
 
 - a clone of every module whose subtree holds parameters (shallow: the same class,
   configuration and `quant_method` objects), with new tensors laid out as the
   checkpoint-layout metadata vLLM recorded at the first load (`LAYERWISE_INFO`), on the meta
-  device until their layer is staged (`materialize`);
+  device until their layer is preloaded (`materialize`);
 - the tensors keep their class and attributes (the weight loaders, rebound to the shadow
   module), and a tensor shared by two live modules (the tied `lm_head` and the embedding) is
   one shadow tensor (and gets one storage);
 - modules without parameters (attention, rotary embedding, logits processor) are not cloned:
   the shadow reads them, never writes them;
 - a module vLLM recorded nothing for, or a parameter with no recorded layout (other than a
-  bias vLLM builds after its metadata), cannot be staged (`StagingUnsupported`).
+  bias vLLM builds after its metadata), cannot be preloaded (`PreloadUnsupported`).
 
-Nothing of the live model is written here. A stage's shadow modules are emptied as soon as its
-commit is planned (`release_shadows`), so that the stage is freed by reference counting when it
+Nothing of the live model is written here. A preload's shadow modules are emptied as soon as its
+commit is planned (`release_shadows`), so that the preload is freed by reference counting when it
 is dropped, not by Python's rare full collection.
 """
 
@@ -29,8 +30,8 @@ import weakref
 import torch
 
 
-class StagingUnsupported(RuntimeError):
-    """This engine's model cannot be staged (the reason says why); reload it in the pause."""
+class PreloadUnsupported(RuntimeError):
+    """This engine's model cannot be preloaded (the reason says why); reload it in the pause."""
 
 
 def build_shadow(model: torch.nn.Module) -> tuple[torch.nn.Module, list, dict]:
@@ -71,7 +72,7 @@ class _ShadowBuilder:
             return live_module  # read only (configuration), never written
         info = self._recorded.get(live_module)
         if info is None:
-            raise StagingUnsupported(
+            raise PreloadUnsupported(
                 f"vLLM recorded no reload metadata for {type(live_module).__name__}"
             )
         shadow = _empty_clone(live_module)
@@ -118,7 +119,7 @@ class _ShadowBuilder:
             new = _shadow_tensor(live, live.size(), live.stride(), "meta", owners, shadow)
             self.devices[id(new)] = live.device
         else:
-            raise StagingUnsupported(
+            raise PreloadUnsupported(
                 f"{type(live_module).__name__}.{name} has no recorded checkpoint layout"
             )
         if key is not None:
@@ -168,7 +169,7 @@ def _shadow_tensor(template: torch.Tensor, shape, stride, device, owners, shadow
 
 
 def release_shadows(modules) -> None:
-    """Empties each shadow module, once the stage has planned its commit (or failed): its
+    """Empties each shadow module, once the preload has planned its commit (or failed): its
     tensors' weight loaders are bound to it, a reference cycle that would keep it, its
     checkpoint-layout tensors and the packed linears its processing made (and the next
     commit retires) alive until Python's rare full collection, and a long-lived worker's

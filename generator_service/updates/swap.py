@@ -11,19 +11,18 @@ takes. Two swap modes (`SWAP_MODES`, `EngineConfig.swap_mode`):
   weights stay, as PipelineRL does) or recomputed ("recompute": every running request is
   preempted and re-prefilled, prompt and tokens so far, with the new weights).
 
-In both, the load is a commit of the staged update (engine_stage.py, worker_stage.py: converted
-while generation went on) or, when the update is not staged, vLLM's in-place reload from the
-update's file (the staging file, or the learner's shared file). The engine's weights are then
-labelled with the version (`update_weight_version`: vLLM's weight-version spans tag every token
-after it), and the prefix cache is reset where nothing holds it (with requests running and
-their KV kept it cannot be; the salts of calls.py keep its old entries from matching new
-requests).
+In both, the load is a commit of the preloaded update (engine_preload.py, worker_preload.py:
+converted while generation went on) or, when the update is not preloaded, vLLM's in-place reload
+from the update's file (the update file, or the learner's shared file). The engine's weights are
+then labelled with the version (`update_weight_version`: vLLM's weight-version spans tag every token
+after it), and the prefix cache is reset where nothing holds it (with requests running and their KV
+kept it cannot be; the salts of calls.py keep its old entries from matching new requests).
 
 Rules:
 
 - An update that is not newer than the served version (and no rollback) is refused before
   anything else, and again at the start of the pause: it never touches the engine, and running
-  requests never notice it. A stage that fails is refused with the served weights untouched.
+  requests never notice it. A preload that fails is refused with the served weights untouched.
 - A swap that fails while loading leaves the weights in an unknown state: the engine then
   aborts every running request (in-flight mode) rather than continue it, and `Served.serving`
   stays False (NOT_SERVING, new calls refused) until a complete update succeeds.
@@ -31,7 +30,7 @@ Rules:
   was; once the pause has begun the swap runs to its end (`finish_despite_cancellation`), and
   the cancellation is raised after. It never stops with the scheduler paused, nor with new or
   partial weights serving under the old version.
-- The stage a swap staged with is dropped when the swap ends, however it ends.
+- The preload a swap preloaded with is dropped when the swap ends, however it ends.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ import grpc
 from generator_service import failpoints
 from generator_service.gate import VersionGate
 from generator_service.status import Occupancy, Served, SwapTimes
-from generator_service.updates.engine_stage import StageControl, manifest
-from generator_service.updates.tensors import StagedTensor, WeightUpdateError
+from generator_service.updates.engine_preload import PreloadControl, manifest
+from generator_service.updates.tensors import PreloadTensor, WeightUpdateError
 
 logger = logging.getLogger(__name__)
 
@@ -55,55 +54,55 @@ class Swaps:
     """The swaps of one engine (module docstring)."""
 
     def __init__(self, llm, gate: VersionGate, served: Served, occupancy: Occupancy,
-                 stages: StageControl, in_flight: bool, in_flight_kv: str) -> None:  # fmt: skip
+                 preloads: PreloadControl, in_flight: bool, in_flight_kv: str) -> None:  # fmt: skip
         self._llm = llm
         self._gate = gate
         self._served = served
         self._occupancy = occupancy
-        self._stages = stages
+        self._preloads = preloads
         self._in_flight = in_flight
         self._recompute = in_flight and in_flight_kv == "recompute"
 
     async def swap_weights(
         self,
-        staging_path: str,
-        tensors: list[StagedTensor],
+        update_path: str,
+        tensors: list[PreloadTensor],
         policy_version: int,
         allow_rollback: bool = False,
-        stage_id: int = 0,
+        preload_id: int = 0,
         update_id: str = "",
     ) -> SwapTimes:
-        """Loads a validated, complete update staged in `staging_path` as `policy_version`,
+        """Loads a validated, complete update preloaded in `update_path` as `policy_version`,
         recorded with its sender's `update_id` once live.
 
-        Staged (`EngineConfig.stage`, see worker_stage.py): the update is first converted into the
-        engine's layout while generation goes on, then committed in the pause; with
-        `stage_id`, the stage `StageControl.begin` began, fed every one of `tensors`.
+        Preloaded (`EngineConfig.preload`, see worker_preload.py): the update is first converted
+        into the engine's layout while generation goes on, then committed in the pause; with
+        `preload_id`, the preload `PreloadControl.begin` began, fed every one of `tensors`.
         `pause_seconds`: in "drain" mode from when new calls were held at the gate, through the
         drain and the commit (or load); in "in-flight" mode the commit (or load). Cancellation
         and failures: the module docstring."""
-        staging = self._stages.enabled or stage_id != 0
-        staged, stage_seconds, stage_tokens = 0, 0.0, 0
+        preloading = self._preloads.enabled or preload_id != 0
+        preloaded, preload_seconds, preload_tokens = 0, 0.0, 0
         try:
             self._check_newer(policy_version, allow_rollback)
-            if staging:
+            if preloading:
                 started = time.monotonic()
-                staged, stage_tokens = await self._stages.wait_staged(
-                    staging_path, tensors, policy_version, stage_id
+                preloaded, preload_tokens = await self._preloads.wait_preloaded(
+                    update_path, tensors, policy_version, preload_id
                 )
-                stage_seconds = time.monotonic() - started
+                preload_seconds = time.monotonic() - started
             started = time.monotonic()
             async with self._gate.write():
                 load = self._load_in_pause(
-                    staging_path, manifest(tensors), policy_version, allow_rollback, staged,
+                    update_path, manifest(tensors), policy_version, allow_rollback, preloaded,
                     update_id,
                 )  # fmt: skip
                 await finish_despite_cancellation(asyncio.ensure_future(load))
             pause_seconds = time.monotonic() - started
         finally:
-            if staging:  # (also when cancelled or refused while staging)
-                await finish_despite_cancellation(asyncio.ensure_future(self._stages.drop()))
-        return SwapTimes(stage_seconds, pause_seconds, stage_tokens)
+            if preloading:  # (also when cancelled or refused while preloading)
+                await finish_despite_cancellation(asyncio.ensure_future(self._preloads.drop()))
+        return SwapTimes(preload_seconds, pause_seconds, preload_tokens)
 
     def _check_newer(self, policy_version: int, allow_rollback: bool) -> None:
         served = self._served.policy_version
@@ -114,10 +113,10 @@ class Swaps:
             )
 
     async def _load_in_pause(
-        self, path: str, tensors: list, policy_version: int, allow_rollback: bool, staged: int,
+        self, path: str, tensors: list, policy_version: int, allow_rollback: bool, preloaded: int,
         update_id: str,
     ) -> None:  # fmt: skip
-        """Loads the update in the pause: commits stage `staged` (0: reloads `tensors`, the
+        """Loads the update in the pause: commits preload `preloaded` (0: reloads `tensors`, the
         worker's manifest, from `path`)."""
         self._check_newer(policy_version, allow_rollback)
         await self._hold(failpoints.hit("pause_for_swap"))  # (chaos tests only)
@@ -128,8 +127,10 @@ class Swaps:
         )
         self._occupancy.paused(True)
         try:
-            if staged:
-                await self._llm.collective_rpc("jaxrlhf_commit_staged", kwargs={"stage_id": staged})
+            if preloaded:
+                await self._llm.collective_rpc(
+                    "jaxrlhf_commit_preloaded", kwargs={"preload_id": preloaded}
+                )
             else:
                 await self._llm.collective_rpc(
                     "jaxrlhf_reload_weights", kwargs={"path": path, "tensors": tensors}

@@ -8,11 +8,11 @@ Hugging Face names the learner exports; a tied `lm_head` is absent there and so 
 - Every update carries the complete set of the served model's tensors, each exactly once, with
   its served shape, in a float wire dtype; its version is newer than the served one (unless it
   rolls back) and one a Completion can carry (`check_update_header`, `check_tensor`).
-- A streamed update is checked chunk by chunk as it is placed in the staging file
-  (assemble.py, bytes_file.py); a complete tensor there is a `StagedTensor`.
+- A streamed update is checked chunk by chunk as it is placed in the update file
+  (assemble.py, bytes_file.py); a complete tensor there is a `PreloadTensor`.
 - A shared update (UpdateWeightsShared) names a file directly inside the server's shared
   folder (links resolved first, so a link cannot point the engine elsewhere), whose tensors lie
-  `STAGING_ALIGNMENT`-aligned, inside the file and apart (`check_shared_layout`); a
+  `UPDATE_FILE_ALIGNMENT`-aligned, inside the file and apart (`check_shared_layout`); a
   progressive one keeps the file's first `PROGRESS_BYTES` for the count of tensors written.
 
 Pure Python (no torch).
@@ -33,7 +33,7 @@ from jaxrlhf_wire.dtypes import SAFETENSORS_TO_WIRE, WIRE_DTYPES, tensor_nbytes
 from jaxrlhf_wire.files import ALIGNMENT, PROGRESS_BYTES
 
 # Every tensor's region starts on a page boundary: aligned views when the engine maps the file.
-STAGING_ALIGNMENT = ALIGNMENT  # the learner's shared files use the same
+UPDATE_FILE_ALIGNMENT = ALIGNMENT  # the learner's shared files use the same
 # Completion.token_policy_versions are int64: no version above this could be reported.
 MAX_POLICY_VERSION = 2**63 - 1
 # Buffers some checkpoints carry that are recomputed by the engine, never trained.
@@ -88,8 +88,8 @@ def expected_tensors(model_dir: str | os.PathLike) -> dict[str, TensorSpec]:
 
 
 @dataclass(frozen=True)
-class StagedTensor:
-    """A complete tensor in the staging file: `nbytes` bytes at byte `position`."""
+class PreloadTensor:
+    """A complete tensor in the update file: `nbytes` bytes at byte `position`."""
 
     name: str
     wire_dtype: str
@@ -165,7 +165,7 @@ def shared_file_path(path: str, directory: str) -> str:
             f"shared weight file {path} does not exist or is not a regular file",
         )
     if not os.access(resolved, os.R_OK | os.W_OK):
-        # The engine maps it shared and writable (see worker_extension.map_staged_tensors).
+        # The engine maps it shared and writable (see worker_extension.map_preloaded_tensors).
         raise WeightUpdateError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"the server cannot open shared weight file {path} for reading and writing",
@@ -190,14 +190,14 @@ def check_shared_layout(
     entries: Iterable[tuple[str, str, tuple[int, ...], int]],
     file_size: int,
     allow_rollback: bool = False,
-) -> list[StagedTensor]:
+) -> list[PreloadTensor]:
     """Checks the (name, dtype, shape, byte position) of every tensor of a shared update against
     the served model and the file's size: each served tensor exactly once, each region
-    `STAGING_ALIGNMENT`-aligned, inside the file and apart from the others. Returns the tensors
+    `UPDATE_FILE_ALIGNMENT`-aligned, inside the file and apart from the others. Returns the tensors
     in the order given."""
     entries = list(entries)
     check_update_header(specs, current_version, policy_version, len(entries), allow_rollback)
-    staged: list[StagedTensor] = []
+    preloaded: list[PreloadTensor] = []
     seen: set[str] = set()
     for index, (name, dtype, shape, position) in enumerate(entries):
         where = f"tensor {index + 1} ({name or '<unnamed>'})"
@@ -206,9 +206,9 @@ def check_shared_layout(
             raise _invalid(f"{where}: tensor {name} is listed twice: duplicated data")
         seen.add(name)
         nbytes = tensor_nbytes(dtype, spec.shape)
-        if position % STAGING_ALIGNMENT:
+        if position % UPDATE_FILE_ALIGNMENT:
             raise _invalid(
-                f"{where}: byte position {position} is not a multiple of {STAGING_ALIGNMENT}"
+                f"{where}: byte position {position} is not a multiple of {UPDATE_FILE_ALIGNMENT}"
             )
         if position + nbytes > file_size:
             raise WeightUpdateError(
@@ -216,18 +216,18 @@ def check_shared_layout(
                 f"{where}: bytes [{position}, {position + nbytes}) lie past the end of the "
                 f"shared file ({file_size} bytes): truncated data",
             )
-        staged.append(StagedTensor(name, dtype, spec.shape, position, nbytes))
-    ordered = sorted(staged, key=lambda tensor: tensor.position)
+        preloaded.append(PreloadTensor(name, dtype, spec.shape, position, nbytes))
+    ordered = sorted(preloaded, key=lambda tensor: tensor.position)
     for before, after in zip(ordered, ordered[1:], strict=False):
         if before.position + before.nbytes > after.position:
             raise _invalid(
                 f"tensors {before.name} and {after.name} overlap in the shared file: "
                 "duplicated data"
             )
-    return staged
+    return preloaded
 
 
-def check_progress_page(tensors: list[StagedTensor]) -> None:
+def check_progress_page(tensors: list[PreloadTensor]) -> None:
     """A progressive shared update keeps the file's first `PROGRESS_BYTES` for its count."""
     for tensor in tensors:
         if tensor.position < PROGRESS_BYTES and tensor.nbytes:

@@ -276,10 +276,11 @@ def generator_keys() -> dict:
         # at `addresses` must run in this mode (checked at start).
         swap_mode="drain",
         in_flight_kv="keep",
-        # Staged swaps of a generator this run starts (`--stage`/`--no-stage`): each update is
-        # converted into the engine's layout while generation goes on and the swap pauses only
-        # to copy it in, at the cost of one more copy of the weights in the generator's memory.
-        stage=True,
+        # Preloaded swaps of a generator this run starts (`--preload`/`--no-preload`): each
+        # update is converted into the engine's layout while generation goes on and the swap
+        # pauses only to copy it in, at the cost of one more copy of the weights in the
+        # generator's memory.
+        preload=True,
         # Deadlines (seconds) of the calls to a replica; one that misses one is treated as
         # dead (its prompts fail over to the others). generate_timeout_s 0 = per call:
         # 30 s + rows x max_tokens / 50 (jaxrlhf.fleet.pool.Timeouts).

@@ -35,10 +35,10 @@ SWAP_SETTINGS = {
 
 def swap_setting(gen) -> str:
     """The name of a config's `generator` swap setting (in_flight_kv only counts in flight),
-    with "-no-stage" when its swaps are not staged (`generator.stage`; never one of
+    with "-no-preload" when its swaps are not preloaded (`generator.preload`; never one of
     `SWAP_SETTINGS`, so such a run always gets a service of its own)."""
     name = "drain" if gen.swap_mode == "drain" else f"in-flight-{gen.in_flight_kv}"
-    return name + ("" if gen.stage else "-no-stage")
+    return name + ("" if gen.preload else "-no-preload")
 
 
 def parse_generators(text: str) -> dict[str, str]:

@@ -137,7 +137,7 @@ class WeightDelivery:
             seconds=time.perf_counter() - started,
             attempts=delivery.attempts,
             pause_seconds=max((r.pause_seconds for r in responses), default=0.0),
-            stage_seconds=max((r.stage_seconds for r in responses), default=0.0),
+            preload_seconds=max((r.preload_seconds for r in responses), default=0.0),
             swapped=tuple(delivery.swapped),
             failed=tuple(delivery.failures),
         )
@@ -210,7 +210,7 @@ class WeightDelivery:
                  f"{update.policy_version} (an attempt whose answer was lost)")  # fmt: skip
         delivery.took(replica.target, generator_pb2.UpdateWeightsResponse(
             policy_version=update.policy_version, num_tensors=update.num_tensors,
-            pause_seconds=status.pause_seconds, stage_seconds=status.stage_seconds,
+            pause_seconds=status.pause_seconds, preload_seconds=status.preload_seconds,
         ))  # fmt: skip
         self.lifecycle.join(replica, update.policy_version)
         return True
@@ -266,7 +266,7 @@ class WeightDelivery:
         statuses = [
             r.client.status(timeout=self.settings.status_timeout) for r in self.lifecycle.replicas
         ]
-        # Written while the replicas stage it, when every one of them takes that.
+        # Written while the replicas preload it, when every one of them takes that.
         progressive = all(status.shared_progress for status in statuses)
         self._transport = SharedFileTransport(
             statuses[0].shared_weights_dir, specs, progressive=progressive

@@ -83,7 +83,7 @@ def engine_args(gen) -> list[str]:
     return [
         "--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
         "--seed", str(gen.seed), "--swap-mode", gen.swap_mode, "--in-flight-kv", gen.in_flight_kv,
-        "--stage" if gen.stage else "--no-stage",
+        "--preload" if gen.preload else "--no-preload",
         *(["--max-num-seqs", str(gen.max_num_seqs)] if gen.max_num_seqs else []),
         *(["--cpu-reserved-cores", str(gen.cpu_reserved_cores)]
           if gen.cpu_reserved_cores >= 0 else []),

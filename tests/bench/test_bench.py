@@ -103,15 +103,15 @@ def test_weight_sync(tiny_llama, generator_server):
         env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),
     )  # fmt: skip
     assert (row["dtype"], row["tensors"]) == ("float32", 20)  # 2 layers x 9 + embedding + norm
-    assert row["stage"] is True  # the suite's service stages its updates
+    assert row["preload"] is True  # the suite's service preloads its updates
     assert row["bytes"] > 0
     assert_positive_finite(row, "in_process_reload_s", "stream_s", "shared_s")
     for transport in ("stream", "shared"):
         assert_positive_finite(row, f"{transport}_gb_per_s", f"{transport}_ratio_over_in_process")
         assert 0 < row[f"{transport}_pause_s"] <= row[f"{transport}_s"]
-        assert 0 <= row[f"{transport}_stage_s"] <= row[f"{transport}_s"]
+        assert 0 <= row[f"{transport}_preload_s"] <= row[f"{transport}_s"]
         assert row[f"{transport}_pause_over_in_process"] > 0
-    assert row["stream_stage_s"] > 0  # the bytes arrive before the pause
+    assert row["stream_preload_s"] > 0  # the bytes arrive before the pause
     assert row["cores"] >= 1
     for transport in ("stream", "shared"):  # both sides' CPU time: at least the pause's
         assert row[f"{transport}_cpu_s"] > 0

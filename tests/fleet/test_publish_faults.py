@@ -136,7 +136,7 @@ def test_a_stalled_progressive_update_fails_the_replica_not_the_run(tiny_llama, 
     it can come back), the replica is failed, then rejoins with the next publish."""
     specs, layout, weights = layout_of(tiny_llama)
     replica = RecordingReplica(specs, senders_timeout=0.5)
-    replica.engine.staging_dir = str(tmp_path)
+    replica.engine.update_dir = str(tmp_path)
     logged: list[str] = []
     pool = GeneratorPool([replica.address], transport="shared", retries=0, probe_interval=0.1,
                          log=logged.append)  # fmt: skip

@@ -53,8 +53,8 @@ class StubEngine:
     """What `UpdateWeightsShared` asks of the engine; `swap_weights` records the tensors it was
     pointed at, read from the learner's file."""
 
-    def __init__(self, staging_dir: str, tensors: dict[str, np.ndarray]) -> None:
-        self.staging_dir = staging_dir
+    def __init__(self, update_dir: str, tensors: dict[str, np.ndarray]) -> None:
+        self.update_dir = update_dir
         self.weight_specs = {
             name: TensorSpec(name, tuple(array.shape), "F32") for name, array in tensors.items()
         }
@@ -64,12 +64,12 @@ class StubEngine:
         self.update_id = ""
         self.swapped: list[tuple[int, dict[str, np.ndarray]]] = []
 
-    async def swap_weights(self, path, staged, policy_version, allow_rollback=False,
-                           stage_id=0, update_id="") -> SwapTimes:  # fmt: skip
+    async def swap_weights(self, path, preloaded, policy_version, allow_rollback=False,
+                           preload_id=0, update_id="") -> SwapTimes:  # fmt: skip
         read = {
             t.name: np.fromfile(path, np.float32, int(np.prod(t.shape)), offset=t.position)
             .reshape(t.shape)
-            for t in staged
+            for t in preloaded
         }  # fmt: skip
         self.swapped.append((policy_version, read))
         self.policy_version, self.update_id = policy_version, update_id

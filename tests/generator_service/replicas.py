@@ -3,8 +3,8 @@
 A second vLLM engine would cost the suite another engine start and both cores, so:
 
 - `RecordingReplica` runs the real service code (`add_generator_service`, `GeneratorServicer`:
-  decoding, validation, staging) in this process, on an engine stand-in that records the staged
-  tensors instead of loading them into vLLM.
+  decoding, validation, preloading) in this process, on an engine stand-in that records the
+  preloaded tensors instead of loading them into vLLM.
 - `DyingReplica` is a separate process that accepts an UpdateWeights stream and SIGKILLs itself
   after a few chunks: a replica that dies mid-stream, connection and all.
 - `FakeGenerator` answers Generate and GetStatus without a model, in this process: replicas of
@@ -36,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 class RecordingEngine:
     """What `GeneratorServicer.UpdateWeights` and `GetStatus` need of an engine; swaps record
-    the staged bytes. `fail_swaps` > 0: that many next swaps fail half-way as the engine's do
+    the preloaded bytes. `fail_swaps` > 0: that many next swaps fail half-way as the engine's do
     (INTERNAL, and NOT_SERVING until a complete update succeeds). A swap passes the engine's
     `reload_weights` failpoint (`generator_service.failpoints`) as the real one does, after it
     loaded the weights and before it labels them: a `sleep=S` hold there holds the swap
@@ -49,14 +49,14 @@ class RecordingEngine:
         self.serving = True
         self._update_id = ""
         self.fail_swaps = 0
-        self.staging_dir = tempfile.gettempdir()
+        self.update_dir = tempfile.gettempdir()
         self.swaps: list[tuple[int, dict[str, tuple[str, bytes]]]] = []
         # GetStatus's fields (a drain-mode replica that generates nothing):
         self.config = types.SimpleNamespace(
-            model="recording", swap_mode="drain", in_flight_kv="", stage=False
+            model="recording", swap_mode="drain", in_flight_kv="", preload=False
         )
-        self.stage_unsupported = ""
-        self.stages = False  # (streams are not staged as they arrive)
+        self.preload_unsupported = ""
+        self.preloads = False  # (streams are not preloaded as they arrive)
         self.in_flight = self.swap_pending = False
         self.max_model_len, self.vocab_size, self.dtype, self.vllm_version = 0, 0, "", ""
         self.num_requests_running = self.num_calls_waiting = self.num_updates = 0
@@ -69,30 +69,30 @@ class RecordingEngine:
     def update_id(self) -> str:  # as the engine's: set with the version, cleared if unknown
         return self._update_id if self.serving else ""
 
-    async def swap_weights(self, staging_path, tensors, policy_version, allow_rollback=False,
-                           stage_id=0, update_id=""):  # fmt: skip
+    async def swap_weights(self, update_path, tensors, policy_version, allow_rollback=False,
+                           preload_id=0, update_id=""):  # fmt: skip
         from generator_service import failpoints
         from generator_service.updates.swap import finish_despite_cancellation
 
         hold = failpoints.hit("reload_weights")
         if hold is None or not hold.startswith("sleep="):
-            return self._swap(staging_path, tensors, policy_version, update_id)
+            return self._swap(update_path, tensors, policy_version, update_id)
 
         async def held():
             self.swapping.set()
             await asyncio.sleep(float(hold.removeprefix("sleep=")))
-            return self._swap(staging_path, tensors, policy_version, update_id)
+            return self._swap(update_path, tensors, policy_version, update_id)
 
         # As the engine's: in its pause a swap runs to its end, its caller gone or not.
         return await finish_despite_cancellation(asyncio.ensure_future(held()))
 
-    def _swap(self, staging_path, tensors, policy_version, update_id):
+    def _swap(self, update_path, tensors, policy_version, update_id):
         if self.fail_swaps > 0:
             self.fail_swaps -= 1
             self.serving = False
             raise WeightUpdateError(grpc.StatusCode.INTERNAL, "the swap failed half-way")
         self.serving = True
-        with open(staging_path, "rb") as file:
+        with open(update_path, "rb") as file:
             data = file.read()
         received = {
             t.name: (t.wire_dtype, data[t.position : t.position + t.nbytes]) for t in tensors

@@ -232,7 +232,7 @@ def test_both_sides_share_one_contract():
     assert jaxrlhf.fleet.rpc.client.generator_pb2 is jaxrlhf_wire.stubs.generator_pb2
     assert generator_service.server.CHANNEL_OPTIONS is jaxrlhf.fleet.rpc.client.CHANNEL_OPTIONS
     assert (
-        generator_service.updates.tensors.STAGING_ALIGNMENT
+        generator_service.updates.tensors.UPDATE_FILE_ALIGNMENT
         == jaxrlhf.fleet.rpc.weights_file.ALIGNMENT
     )
     assert generator_service.auth.AUTH_HEADER == jaxrlhf.fleet.rpc.client.AUTH_HEADER

@@ -1,6 +1,7 @@
-"""Staging a streamed update as it arrives, on the server's side (generator_service/updates/feed.py;
-no engine): each tensor is handed to the stage once, only when every one of its bytes, from every
-sender, is in the staging file, and nothing is fed after a write failed."""
+"""Preloading a streamed update as it arrives, on the server's side
+(generator_service/updates/feed.py; no engine): each tensor is handed to the preload once, only when
+every one of its bytes, from every sender, is in the update file, and nothing is fed after a write
+failed."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import asyncio
 import numpy as np
 
 from generator_service.updates.assemble import WeightAssembler
-from generator_service.updates.bytes_file import StagingFile
-from generator_service.updates.feed import StageFeeder, write_and_feed
-from generator_service.updates.tensors import StagedTensor, TensorSpec
+from generator_service.updates.bytes_file import UpdateFile
+from generator_service.updates.feed import PreloadFeeder, write_and_feed
+from generator_service.updates.tensors import PreloadTensor, TensorSpec
 
 SHAPES = {
     "model.layers.0.mlp.up_proj.weight": (8, 4),
@@ -27,20 +28,20 @@ def values():
     return {n: rng.normal(size=s.shape).astype(np.float32) for n, s in SPECS.items()}
 
 
-def receive(chunks, staging, feed, write=None):
+def receive(chunks, update_file, feed, write=None):
     """Adds `chunks` (name, offset, bytes, slice start, slice shape, sender count) as the server
-    does, feeding a `StageFeeder`; returns whether everything was fed."""
+    does, feeding a `PreloadFeeder`; returns whether everything was fed."""
 
     async def run():
         assembler = WeightAssembler(SPECS, 0)
-        feeder = StageFeeder(feed)
+        feeder = PreloadFeeder(feed)
         for name, offset, data, start, shape, senders in chunks:
             pieces = assembler.add(1, len(SPECS), name, "float32", SPECS[name].shape, offset,
                                    data, False, start, shape, senders)  # fmt: skip
-            await write_and_feed(assembler, staging, pieces, feeder)
+            await write_and_feed(assembler, update_file, pieces, feeder)
             await asyncio.sleep(0)
         fed = await feeder.close()
-        await staging.settle()
+        await update_file.settle()
         return fed
 
     return asyncio.run(run())
@@ -48,12 +49,12 @@ def receive(chunks, staging, feed, write=None):
 
 def test_each_tensor_is_fed_once_when_all_its_bytes_are_in_the_file(tmp_path):
     arrays = values()
-    staging = StagingFile(str(tmp_path), max_pending=1)
+    update_file = UpdateFile(str(tmp_path), max_pending=1)
     fed: list[list[str]] = []
 
     async def feed(tensors):
         for tensor in tensors:  # what the worker would map now is the whole tensor
-            with open(staging.path, "rb") as file:
+            with open(update_file.path, "rb") as file:
                 file.seek(tensor.position)
                 read = np.frombuffer(file.read(tensor.nbytes), np.float32).reshape(tensor.shape)
             np.testing.assert_array_equal(read, arrays[tensor.name])
@@ -68,15 +69,15 @@ def test_each_tensor_is_fed_once_when_all_its_bytes_are_in_the_file(tmp_path):
         (NAMES[2], 0, norm, (), (), 1),  # the norm: one chunk
         (NAMES[1], 64, up1[64:], (), (), 1),
     ]
-    assert receive(chunks, staging, feed)
+    assert receive(chunks, update_file, feed)
     order = [name for batch in fed for name in batch]
     assert order == [NAMES[0], NAMES[2], NAMES[1]]  # as each completed, each once
-    staging.close()
+    update_file.close()
 
 
 def test_a_tensor_sliced_between_senders_is_fed_once_after_its_last_slice(tmp_path):
     arrays = values()
-    staging = StagingFile(str(tmp_path))
+    update_file = UpdateFile(str(tmp_path))
     fed: list[str] = []
 
     async def feed(tensors):
@@ -89,17 +90,17 @@ def test_a_tensor_sliced_between_senders_is_fed_once_after_its_last_slice(tmp_pa
         (NAMES[1], 0, arrays[NAMES[1]].tobytes(), (), (), 2),
         (NAMES[2], 0, arrays[NAMES[2]].tobytes(), (), (), 2),
     ]
-    assert receive(chunks, staging, feed)
+    assert receive(chunks, update_file, feed)
     assert fed == [NAMES[1], NAMES[2]]  # the first is still missing rows 5-7
     fed.clear()
-    assert receive([*chunks, (name, 0, bottom, (5, 0), (3, 4), 2)], staging, feed)
+    assert receive([*chunks, (name, 0, bottom, (5, 0), (3, 4), 2)], update_file, feed)
     assert fed == [NAMES[1], NAMES[2], name]
-    staging.close()
+    update_file.close()
 
 
 def test_nothing_is_fed_after_a_write_failed_or_a_feed_failed(tmp_path):
     arrays = values()
-    staging = StagingFile(str(tmp_path), max_pending=8)
+    update_file = UpdateFile(str(tmp_path), max_pending=8)
     chunks = [(n, 0, arrays[n].tobytes(), (), (), 1) for n in NAMES]
     fed: list[str] = []
 
@@ -107,7 +108,7 @@ def test_nothing_is_fed_after_a_write_failed_or_a_feed_failed(tmp_path):
         fed.extend(t.name for t in tensors)
 
     writes = 0
-    real_write = staging._write
+    real_write = update_file._write
 
     def failing_write(pieces):
         nonlocal writes
@@ -116,11 +117,11 @@ def test_nothing_is_fed_after_a_write_failed_or_a_feed_failed(tmp_path):
             raise OSError(28, "No space left on device")
         real_write(pieces)
 
-    staging._write = failing_write
-    assert not receive(chunks, staging, feed)
+    update_file._write = failing_write
+    assert not receive(chunks, update_file, feed)
     assert fed in ([], [NAMES[0]])  # never what was written after the failed write
 
-    staging._write = real_write
+    update_file._write = real_write
     fed.clear()
 
     calls = 0
@@ -130,9 +131,9 @@ def test_nothing_is_fed_after_a_write_failed_or_a_feed_failed(tmp_path):
         calls += 1
         raise RuntimeError("the engine died")
 
-    assert not receive(chunks, staging, broken)
+    assert not receive(chunks, update_file, broken)
     assert calls == 1  # no batch after the failed one
-    staging.close()
+    update_file.close()
 
 
 def test_a_tensor_completed_by_another_senders_chunk_waits_for_that_chunks_write(tmp_path):
@@ -142,19 +143,19 @@ def test_a_tensor_completed_by_another_senders_chunk_waits_for_that_chunks_write
     import time
 
     arrays = values()
-    staging = StagingFile(str(tmp_path), max_pending=1)
-    real_write = staging._write
+    update_file = UpdateFile(str(tmp_path), max_pending=1)
+    real_write = update_file._write
 
     def slow_write(pieces):
         time.sleep(0.05)
         real_write(pieces)
 
-    staging._write = slow_write
+    update_file._write = slow_write
     fed: list[str] = []
 
     async def feed(tensors):
         for tensor in tensors:
-            with open(staging.path, "rb") as file:
+            with open(update_file.path, "rb") as file:
                 file.seek(tensor.position)
                 read = np.frombuffer(file.read(tensor.nbytes), np.float32).reshape(tensor.shape)
             np.testing.assert_array_equal(read, arrays[tensor.name])
@@ -162,7 +163,7 @@ def test_a_tensor_completed_by_another_senders_chunk_waits_for_that_chunks_write
 
     async def run():
         assembler = WeightAssembler(SPECS, 0)
-        feeder = StageFeeder(feed)
+        feeder = PreloadFeeder(feed)
         name = NAMES[0]
         halves = [arrays[name][:4].tobytes(), arrays[name][4:].tobytes()]
 
@@ -171,24 +172,24 @@ def test_a_tensor_completed_by_another_senders_chunk_waits_for_that_chunks_write
             await asyncio.sleep(0.01 * index)  # sender 0 first
             pieces = assembler.add(1, len(SPECS), name, "float32", SPECS[name].shape, 0, data,
                                    False, (4 * index, 0), (4, 4), 2)  # fmt: skip
-            await write_and_feed(assembler, staging, pieces, feeder)
+            await write_and_feed(assembler, update_file, pieces, feeder)
 
-        first = staging.write([])  # one write already queued: the senders' writes wait
+        first = update_file.write([])  # one write already queued: the senders' writes wait
         await asyncio.gather(first, sender(0), sender(1))
         assert await feeder.close()
-        await staging.settle()
+        await update_file.settle()
 
     asyncio.run(run())
     assert fed == [NAMES[0]]
-    staging.close()
+    update_file.close()
 
 
 def test_an_abandoned_feeder_feeds_nothing_more_than_the_feed_under_way():
     """A refused update's feeder (`abandon`) waits for the feed in progress, then stops: what
-    was still waiting for its write, or ready behind it, is never fed (its stage is dropped)."""
+    was still waiting for its write, or ready behind it, is never fed (its preload is dropped)."""
 
     def tensor(name):
-        return StagedTensor(name, "F32", (4,), 0, 16)
+        return PreloadTensor(name, "F32", (4,), 0, 16)
 
     async def run():
         fed, feeding, release = [], asyncio.Event(), asyncio.Event()
@@ -200,7 +201,7 @@ def test_an_abandoned_feeder_feeds_nothing_more_than_the_feed_under_way():
 
         loop = asyncio.get_running_loop()
         first, second, third = (loop.create_future() for _ in range(3))
-        feeder = StageFeeder(feed)
+        feeder = PreloadFeeder(feed)
         feeder.add([tensor("a")], first)
         feeder.add([tensor("b")], second)
         first.set_result(None)

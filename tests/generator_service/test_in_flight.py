@@ -47,8 +47,8 @@ HOLD_TOKENS = 60
 # wrong weights moves them by more than 5x this (the swap test asserts it for its tokens), so
 # the check tells the two KV policies apart.
 LOGPROB_ATOL = 2e-3
-# How long the staging failpoint holds a stage (the engine generating meanwhile).
-STAGE_HOLD_S = 1.5
+# How long the preloading failpoint holds a preload (the engine generating meanwhile).
+PRELOAD_HOLD_S = 1.5
 # Requests the engine runs at once: LONG_PROMPT and FILLERS run together, more queue.
 MAX_NUM_SEQS = 8
 
@@ -67,27 +67,27 @@ class Server:
         return response
 
 
-# (KV policy, staged swaps): each test runs once with swaps reloading in the pause and once
-# with staged swaps (the drain-mode server of the suite stages too).
+# (KV policy, preloaded swaps): each test runs once with swaps reloading in the pause and once
+# with preloaded swaps (the drain-mode server of the suite preloads too).
 @pytest.fixture(scope="module", params=[("recompute", False), ("keep", True)],
-                ids=["recompute-no-stage", "keep-stage"])  # fmt: skip
+                ids=["recompute-no-preload", "keep-preload"])  # fmt: skip
 def in_flight(request, tiny_llama, tmp_path_factory, start_generator_server):
     from safetensors.numpy import load_file
 
     from jaxrlhf.fleet.rpc import GeneratorClient
 
-    kv, stage = request.param
+    kv, preload = request.param
     folder = tmp_path_factory.mktemp(f"in-flight-{kv}")
     failpoints = folder / "failpoints"
     process = start_generator_server(
         tiny_llama, folder / "server.log",
         ["--swap-mode", "in-flight", "--in-flight-kv", kv, "--max-num-seqs", str(MAX_NUM_SEQS),
-         "--block-size", str(BLOCK_SIZE), "--stage" if stage else "--no-stage"],
+         "--block-size", str(BLOCK_SIZE), "--preload" if preload else "--no-preload"],
         env={"JAXRLHF_FAILPOINTS": str(failpoints)},
     )  # fmt: skip
     client = GeneratorClient(process.address)
     server = Server(process, client, load_file(tiny_llama / "model.safetensors"), failpoints)
-    server.kv, server.stage = kv, stage
+    server.kv, server.preload = kv, preload
     # The engine's first reload is slow (~2 s, set-up); later ones take milliseconds.
     server.push(perturbed(server.tensors, seed=10))
     yield server
@@ -97,14 +97,14 @@ def in_flight(request, tiny_llama, tmp_path_factory, start_generator_server):
 
 def _assert_fired(server) -> None:
     """Every point armed in the server's failpoint file fired (the file is gone); if not, says
-    which are still armed and whether the engine turned staged swaps off meanwhile (a staged
+    which are still armed and whether the engine turned preloaded swaps off meanwhile (a preloaded
     update's point then never comes)."""
     try:
         left = server.failpoints.read_text()
     except FileNotFoundError:
         return
-    off = server.client.status().staged_swaps_off
-    pytest.fail(f"the failpoint never fired: still armed {left!r}; staged swaps off: {off!r}")
+    off = server.client.status().preloaded_swaps_off
+    pytest.fail(f"the failpoint never fired: still armed {left!r}; preloaded swaps off: {off!r}")
 
 
 def _greedy(client, prompts, max_tokens=MAX_TOKENS) -> list:
@@ -149,8 +149,8 @@ def test_status_reports_the_mode(in_flight):
     status = in_flight.client.status()
     assert (status.swap_mode, status.in_flight_kv) == ("in-flight", in_flight.kv)
     assert status.max_num_seqs == MAX_NUM_SEQS
-    assert status.staged_swaps == in_flight.stage
-    assert status.staged_swaps_off == ("" if in_flight.stage else "started with --no-stage")
+    assert status.preloaded_swaps == in_flight.preload
+    assert status.preloaded_swaps_off == ("" if in_flight.preload else "started with --no-preload")
 
 
 # How long after its submission a sample may start counting as generating (handing the call's
@@ -442,26 +442,26 @@ def test_a_shared_update_cancelled_mid_swap_completes_under_its_id(in_flight, re
     assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
 
 
-def _staged_only(server) -> None:
-    if not server.stage:
-        pytest.skip("a test of staged swaps (this server reloads in the pause)")
+def _preloaded_only(server) -> None:
+    if not server.preload:
+        pytest.skip("a test of preloaded swaps (this server reloads in the pause)")
 
 
-def test_generation_goes_on_while_an_update_is_staged(in_flight, reference):
-    """The worker's staging thread is held for STAGE_HOLD_S (a slow stage): the engine keeps
+def test_generation_goes_on_while_an_update_is_preloaded(in_flight, reference):
+    """The worker's preloading thread is held for PRELOAD_HOLD_S (a slow preload): the engine keeps
     generating meanwhile, and pauses only for the commit."""
-    _staged_only(in_flight)
+    _preloaded_only(in_flight)
     old, old_version = in_flight.tensors, in_flight.version
     new = perturbed(old, seed=17)
     with open(in_flight.failpoints, "a") as armed:
-        armed.write(f"stage_weights 1 sleep={STAGE_HOLD_S}\n")
+        armed.write(f"preload_weights 1 sleep={PRELOAD_HOLD_S}\n")
     completions, response, _ = _during_long_generation(in_flight, lambda: in_flight.push(new))
     _assert_fired(in_flight)
-    assert response.stage_seconds >= STAGE_HOLD_S
-    # A stage that blocked the engine would let no token through while it ran.
-    assert response.stage_tokens >= 10, response
-    assert response.pause_seconds < 0.25 * response.stage_seconds, response
-    assert in_flight.client.status().stage_tokens == response.stage_tokens
+    assert response.preload_seconds >= PRELOAD_HOLD_S
+    # A preload that blocked the engine would let no token through while it ran.
+    assert response.preload_tokens >= 10, response
+    assert response.pause_seconds < 0.25 * response.preload_seconds, response
+    assert in_flight.client.status().preload_tokens == response.preload_tokens
     for completion, prompt in zip(completions, [LONG_PROMPT, *FILLERS], strict=True):
         versions, tokens = list(completion.token_policy_versions), list(completion.token_ids)
         switch = versions.index(old_version + 1) if old_version + 1 in versions else len(tokens)
@@ -472,15 +472,15 @@ def test_generation_goes_on_while_an_update_is_staged(in_flight, reference):
     assert list(late.token_ids) == reference.greedy(new, FILLERS[1], 12)
 
 
-def test_a_stage_that_fails_leaves_the_old_weights_serving(in_flight, reference):
-    """Staging fails in the worker (after loading part of the update into its shadow): the
+def test_a_preload_that_fails_leaves_the_old_weights_serving(in_flight, reference):
+    """Preloading fails in the worker (after loading part of the update into its shadow): the
     update is refused, running requests go on untouched on the old weights, and the service
     stays SERVING; the next update works."""
-    _staged_only(in_flight)
+    _preloaded_only(in_flight)
     in_flight.push(perturbed(in_flight.tensors, seed=24), update_id="serving")
     old, version = in_flight.tensors, in_flight.version
     with open(in_flight.failpoints, "a") as armed:
-        armed.write("stage_weights 1 fail\n")
+        armed.write("preload_weights 1 fail\n")
 
     def refused():
         with pytest.raises(grpc.RpcError) as error:
@@ -489,7 +489,7 @@ def test_a_stage_that_fails_leaves_the_old_weights_serving(in_flight, reference)
 
     completions, error, _ = _during_long_generation(in_flight, refused)
     assert error.code() == grpc.StatusCode.INTERNAL, error
-    assert "staging" in error.details() and "unchanged" in error.details()
+    assert "preloading" in error.details() and "unchanged" in error.details()
     # The worker's error (here the failpoint's FailpointError) is the server's log's, not the
     # client's.
     assert "failpoint" not in error.details() and "Error" not in error.details(), error.details()
@@ -505,18 +505,18 @@ def test_a_stage_that_fails_leaves_the_old_weights_serving(in_flight, reference)
     assert list(completion.token_ids) == reference.greedy(new, FILLERS[0], 12)
 
 
-def test_an_update_cancelled_while_staged_changes_nothing(in_flight, reference):
-    """A client's deadline expiring while the update is being staged: the stage is dropped,
+def test_an_update_cancelled_while_preloaded_changes_nothing(in_flight, reference):
+    """A client's deadline expiring while the update is being preloaded: the preload is dropped,
     nothing was paused or swapped, and the next update works."""
-    _staged_only(in_flight)
+    _preloaded_only(in_flight)
     old, version = in_flight.tensors, in_flight.version
     with open(in_flight.failpoints, "a") as armed:
-        armed.write("stage_weights 1 sleep=4\n")
+        armed.write("preload_weights 1 sleep=4\n")
     with pytest.raises(grpc.RpcError) as error:
         in_flight.client.update_weights(perturbed(old, seed=20), version + 1,
                                         chunk_bytes=1 << 16, timeout=2.0)  # fmt: skip
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(4)  # the held stage ends (and is dropped)
+    time.sleep(4)  # the held preload ends (and is dropped)
     status = in_flight.client.status()
     assert (status.serving, status.policy_version, status.swap_pending) == (True, version, False)
     (completion,) = _greedy(in_flight.client, [FILLERS[0]], max_tokens=12)

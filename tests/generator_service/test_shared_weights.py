@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from generator_service.updates.tensors import (
-    STAGING_ALIGNMENT,
+    UPDATE_FILE_ALIGNMENT,
     TensorSpec,
     WeightUpdateError,
     check_shared_layout,
@@ -29,23 +29,25 @@ EMBED, NORM = SPECS
 
 
 def layout(**changes):
-    entries = {EMBED: ["float32", (6, 4), 0], NORM: ["float32", (4,), STAGING_ALIGNMENT]}
+    entries = {EMBED: ["float32", (6, 4), 0], NORM: ["float32", (4,), UPDATE_FILE_ALIGNMENT]}
     for name, entry in changes.items():
         entries[name] = entry
     return [(name, *entry) for name, entry in entries.items() if entry is not None]
 
 
-def refused(entries, file_size=2 * STAGING_ALIGNMENT, version=1, current=0) -> WeightUpdateError:
+def refused(
+    entries, file_size=2 * UPDATE_FILE_ALIGNMENT, version=1, current=0
+) -> WeightUpdateError:
     with pytest.raises(WeightUpdateError) as caught:
         check_shared_layout(SPECS, current, version, entries, file_size)
     return caught.value
 
 
 def test_a_valid_layout_is_returned_in_order():
-    tensors = check_shared_layout(SPECS, 0, 1, layout(), 2 * STAGING_ALIGNMENT)
+    tensors = check_shared_layout(SPECS, 0, 1, layout(), 2 * UPDATE_FILE_ALIGNMENT)
     assert [(t.name, t.position, t.nbytes) for t in tensors] == [
         (EMBED, 0, 96),
-        (NORM, STAGING_ALIGNMENT, 16),
+        (NORM, UPDATE_FILE_ALIGNMENT, 16),
     ]
 
 
@@ -122,7 +124,7 @@ def test_the_learners_file_is_what_the_worker_maps(tmp_path):
     """Strided (transposed) and cast tensors land bit for bit where the request says."""
     import torch
 
-    from generator_service.worker_extension import map_staged_tensors
+    from generator_service.worker_extension import map_preloaded_tensors
     from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     rng = np.random.default_rng(0)
@@ -135,8 +137,8 @@ def test_the_learners_file_is_what_the_worker_maps(tmp_path):
         request = shared.request(policy_version=4)
         assert request.path == shared.path and Path(shared.path).parent == tmp_path
         manifest = [[t.name, t.dtype, list(t.shape), t.position] for t in request.tensors]
-        assert [m[3] % STAGING_ALIGNMENT for m in manifest] == [0, 0]
-        mapped, views = map_staged_tensors(shared.path, manifest)
+        assert [m[3] % UPDATE_FILE_ALIGNMENT for m in manifest] == [0, 0]
+        mapped, views = map_preloaded_tensors(shared.path, manifest)
         views = dict(views)
         assert torch.equal(views["a.weight"], torch.from_numpy(np.ascontiguousarray(kernel.T)))
         expected = torch.from_numpy(norm.astype(bf16).view(np.int16)).view(torch.bfloat16)
@@ -189,11 +191,11 @@ def test_shared_update_swaps_weights_and_version(client, served, reference):
         served.record(version, new)
     assert response.policy_version == version and response.num_tensors == len(new)
     assert response.num_bytes == sum(value.nbytes for value in new.values())
-    assert response.pause_seconds > 0 and response.stage_seconds > 0
-    assert response.seconds >= response.stage_seconds + response.pause_seconds
+    assert response.pause_seconds > 0 and response.preload_seconds > 0
+    assert response.seconds >= response.preload_seconds + response.pause_seconds
     status = client.status()
-    assert (status.stage_seconds, status.pause_seconds) == (
-        response.stage_seconds, response.pause_seconds)  # fmt: skip
+    assert (status.preload_seconds, status.pause_seconds) == (
+        response.preload_seconds, response.pause_seconds)  # fmt: skip
     assert status.update_id == "shared-update"
     tokens, versions = greedy(client)
     assert versions == {version}
@@ -288,18 +290,18 @@ def test_pool_picks_the_shared_file_for_a_local_server_and_streams_when_told(
         assert tokens == [reference.greedy(new, prompt, 12) for prompt in served.initial_prompts]
 
 
-# --- written while the server stages it (SharedWeights.progressive) ---------------------------
+# --- written while the server preloads it (SharedWeights.progressive) ---------------------------
 
 
 def test_a_progressive_update_keeps_the_first_bytes_for_its_count():
     from generator_service.updates.tensors import check_progress_page
 
-    tensors = check_shared_layout(SPECS, 0, 1, layout(), 2 * STAGING_ALIGNMENT)
+    tensors = check_shared_layout(SPECS, 0, 1, layout(), 2 * UPDATE_FILE_ALIGNMENT)
     with pytest.raises(WeightUpdateError, match="hold the count of tensors written") as caught:
         check_progress_page(tensors)  # the embedding lies at byte 0
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    moved = layout(**{EMBED: ["float32", (6, 4), 2 * STAGING_ALIGNMENT]})
-    check_progress_page(check_shared_layout(SPECS, 0, 1, moved, 3 * STAGING_ALIGNMENT))
+    moved = layout(**{EMBED: ["float32", (6, 4), 2 * UPDATE_FILE_ALIGNMENT]})
+    check_progress_page(check_shared_layout(SPECS, 0, 1, moved, 3 * UPDATE_FILE_ALIGNMENT))
 
 
 def _written_slowly(tensors: dict, pause_after: int, pause: float, fail: bool = False):
@@ -340,7 +342,7 @@ def _progressive(client, tensors, version, write):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_progressive_shared_update_swaps_only_once_written(client, served, reference):
-    """Sent before a word is written: the server stages what is written and waits for the rest
+    """Sent before a word is written: the server preloads what is written and waits for the rest
     (a pause of 1.5 s half-way), swaps the whole update, and generates from it."""
     from tests.generator_service.test_update_weights import greedy, perturbed
 
@@ -407,7 +409,7 @@ def test_a_count_caught_half_stored_is_waited_for_not_taken(first_byte):
     client = GeneratorClient(replica.address)
     specs = [(n, v.shape, v.dtype) for n, v in MANY.items()]
     try:
-        with SharedWeightsFile(replica.engine.staging_dir, specs) as shared, \
+        with SharedWeightsFile(replica.engine.update_dir, specs) as shared, \
                 concurrent.futures.ThreadPoolExecutor(1) as pool:  # fmt: skip
             shared.begin_progress()
             call = pool.submit(client.update_weights_shared,

@@ -118,7 +118,7 @@ def test_a_progressive_count_that_stands_still_is_a_transient_refusal(client, re
     from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     specs = [(name, value.shape, value.dtype) for name, value in TENSORS.items()]
-    with SharedWeightsFile(replica.engine.staging_dir, specs) as shared:
+    with SharedWeightsFile(replica.engine.update_dir, specs) as shared:
         shared.begin_progress()
         shared._count(1)  # then nothing
         started = time.monotonic()
@@ -156,7 +156,7 @@ def _shared_update(client, replica, version: int, update_id: str):
     from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     specs = [(name, value.shape, value.dtype) for name, value in TENSORS.items()]
-    with SharedWeightsFile(replica.engine.staging_dir, specs) as shared:
+    with SharedWeightsFile(replica.engine.update_dir, specs) as shared:
         shared.write(TENSORS.items())
         request = shared.request(version)
         request.update_id = update_id

@@ -42,12 +42,12 @@ def test_update_swaps_weights_and_version(client, served, reference):
     assert response.policy_version == before.policy_version + 1
     assert response.num_tensors == len(new) == before.num_weight_tensors
     assert response.num_bytes == sum(value.nbytes for value in new.values())
-    assert response.seconds >= response.stage_seconds + response.pause_seconds
-    assert response.stage_seconds > 0 and response.pause_seconds > 0
+    assert response.seconds >= response.preload_seconds + response.pause_seconds
+    assert response.preload_seconds > 0 and response.pause_seconds > 0
     status = client.status()
     # The last swap's parts, reported until the next one.
-    assert (status.stage_seconds, status.pause_seconds) == (
-        response.stage_seconds, response.pause_seconds)  # fmt: skip
+    assert (status.preload_seconds, status.pause_seconds) == (
+        response.preload_seconds, response.pause_seconds)  # fmt: skip
     assert status.policy_version == response.policy_version
     assert status.update_id == "update-1"  # the update that put the served weights in place
     assert status.num_updates == before.num_updates + 1

@@ -131,7 +131,7 @@ def test_a_stream_alone_is_its_own_update_beside_an_open_one():
 
 
 def test_a_failure_to_prepare_is_answered_without_the_servers_internals():
-    """The staging folder gone (say): every sender is told the update was refused on an
+    """The update folder gone (say): every sender is told the update was refused on an
     internal error, not the exception's class nor its message (a path of the server's)."""
 
     async def run():

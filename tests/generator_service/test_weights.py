@@ -1,5 +1,5 @@
-"""Fast checks of update validation, staging and decoding (no engine): every malformed-stream
-rule, and the staged bytes as the engine's worker maps them."""
+"""Fast checks of update validation, preloading and decoding (no engine): every malformed-stream
+rule, and the preloaded bytes as the engine's worker maps them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from generator_service.updates.assemble import WeightAssembler
-from generator_service.updates.bytes_file import StagingFile, minimum_update_bytes
+from generator_service.updates.bytes_file import UpdateFile, minimum_update_bytes
 from generator_service.updates.tensors import (
-    STAGING_ALIGNMENT,
+    UPDATE_FILE_ALIGNMENT,
     TensorSpec,
     WeightUpdateError,
     expected_tensors,
@@ -57,28 +57,28 @@ def refused(chunks, current_version=0) -> WeightUpdateError:
     return caught.value
 
 
-def stage(chunks, staging: StagingFile, current_version=0):
-    """Validates and writes `chunks` as the server does; returns the staged tensors."""
+def preload(chunks, preloading: UpdateFile, current_version=0):
+    """Validates and writes `chunks` as the server does; returns the preloaded tensors."""
 
     async def run():
         assembler = WeightAssembler(SPECS, current_version)
-        staging.check_space(minimum_update_bytes(SPECS))
+        preloading.check_space(minimum_update_bytes(SPECS))
         try:
             for item in chunks:
-                await staging.write(assembler.add(**item))
+                await preloading.write(assembler.add(**item))
             tensors = assembler.finish()
-            await staging.flush(assembler.staged_bytes)
+            await preloading.flush(assembler.file_bytes)
             return tensors
         finally:
-            await staging.settle()
+            await preloading.settle()
 
     return asyncio.run(run())
 
 
-def test_chunks_in_any_order_are_staged_exactly_where_the_worker_maps_them(tmp_path):
+def test_chunks_in_any_order_are_preloaded_exactly_where_the_worker_maps_them(tmp_path):
     import torch
 
-    from generator_service.worker_extension import map_staged_tensors
+    from generator_service.worker_extension import map_preloaded_tensors
 
     values = arrays()
     embed = values["model.embed_tokens.weight"].tobytes()
@@ -88,13 +88,15 @@ def test_chunks_in_any_order_are_staged_exactly_where_the_worker_maps_them(tmp_p
         chunk("model.norm.weight", norm, dtype="float16"),
         chunk("model.embed_tokens.weight", embed[:40]),
     ]
-    staging = StagingFile(str(tmp_path), max_pending=1)
-    tensors = stage(chunks, staging)
+    preloading = UpdateFile(str(tmp_path), max_pending=1)
+    tensors = preload(chunks, preloading)
     assert [t.name for t in tensors] == ["model.embed_tokens.weight", "model.norm.weight"]
-    assert [t.position % STAGING_ALIGNMENT for t in tensors] == [0, 0]
-    assert os.path.getsize(staging.path) == tensors[-1].position + tensors[-1].nbytes
+    assert [t.position % UPDATE_FILE_ALIGNMENT for t in tensors] == [0, 0]
+    assert os.path.getsize(preloading.path) == tensors[-1].position + tensors[-1].nbytes
     manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
-    (mapped,), views = map_staged_tensors(staging.path, manifest)  # one after the other: one map
+    (mapped,), views = map_preloaded_tensors(
+        preloading.path, manifest
+    )  # one after the other: one map
     loaded = dict(views)
     assert loaded["model.norm.weight"].dtype == torch.float16
     np.testing.assert_array_equal(
@@ -112,39 +114,39 @@ def test_chunks_in_any_order_are_staged_exactly_where_the_worker_maps_them(tmp_p
         chunk(name, value.astype(np.float16).tobytes(), dtype="float16")
         for name, value in values.items()
     ]
-    tensors = stage(smaller, staging)
-    assert os.path.getsize(staging.path) == tensors[-1].position + tensors[-1].nbytes
-    staging.close()
-    assert not os.path.exists(staging.path)
+    tensors = preload(smaller, preloading)
+    assert os.path.getsize(preloading.path) == tensors[-1].position + tensors[-1].nbytes
+    preloading.close()
+    assert not os.path.exists(preloading.path)
 
 
 def test_bfloat16_is_mapped_bit_for_bit(tmp_path):
     import ml_dtypes
     import torch
 
-    from generator_service.worker_extension import map_staged_tensors
+    from generator_service.worker_extension import map_preloaded_tensors
 
     values = {name: value.astype(ml_dtypes.bfloat16) for name, value in arrays().items()}
     chunks = [
         chunk(name, value.tobytes(), dtype="bfloat16", num_tensors=2)
         for name, value in values.items()
     ]
-    staging = StagingFile(str(tmp_path))
-    tensors = stage(chunks, staging)
+    preloading = UpdateFile(str(tmp_path))
+    tensors = preload(chunks, preloading)
     manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
-    _, views = map_staged_tensors(staging.path, manifest)
+    _, views = map_preloaded_tensors(preloading.path, manifest)
     for name, view in views:
         assert view.dtype == torch.bfloat16
         expected = torch.from_numpy(values[name].view(np.int16)).view(torch.bfloat16)
         assert torch.equal(view, expected)
     del views
-    staging.close()
+    preloading.close()
 
 
-def test_staging_refuses_a_full_disk_up_front_and_on_write(tmp_path, monkeypatch):
-    staging = StagingFile(str(tmp_path), max_pending=1)
+def test_preloading_refuses_a_full_disk_up_front_and_on_write(tmp_path, monkeypatch):
+    preloading = UpdateFile(str(tmp_path), max_pending=1)
     with pytest.raises(WeightUpdateError) as caught:
-        staging.check_space(1 << 62)
+        preloading.check_space(1 << 62)
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "needs at least" in caught.value.message
 
@@ -155,21 +157,21 @@ def test_staging_refuses_a_full_disk_up_front_and_on_write(tmp_path, monkeypatch
     values = arrays()
     chunks = [chunk(name, value.tobytes()) for name, value in values.items()]
     with pytest.raises(WeightUpdateError) as caught:
-        stage(chunks, staging)
+        preload(chunks, preloading)
     assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "No space left on device" in caught.value.message
-    assert staging.path not in caught.value.message  # the server's file, not the client's
-    staging.close()
+    assert preloading.path not in caught.value.message  # the server's file, not the client's
+    preloading.close()
 
 
-def test_staging_files_of_dead_servers_are_removed(tmp_path):
-    stale = tmp_path / f"{StagingFile.PREFIX}999999999-x.bin"  # above any pid_max: not running
-    live = tmp_path / f"{StagingFile.PREFIX}{os.getpid()}-y.bin"
+def test_preloading_files_of_dead_servers_are_removed(tmp_path):
+    stale = tmp_path / f"{UpdateFile.PREFIX}999999999-x.bin"  # above any pid_max: not running
+    live = tmp_path / f"{UpdateFile.PREFIX}{os.getpid()}-y.bin"
     stale.write_bytes(b"old")
     live.write_bytes(b"mine")
-    staging = StagingFile(str(tmp_path))
+    preloading = UpdateFile(str(tmp_path))
     assert not stale.exists() and live.exists()
-    staging.close()
+    preloading.close()
 
 
 def test_expected_tensors_reads_sharded_index(tmp_path):
@@ -308,24 +310,24 @@ THREE_SENDERS = [
 ]
 
 
-def test_slices_from_several_senders_are_staged_as_the_whole_tensors(tmp_path):
-    from generator_service.worker_extension import map_staged_tensors
+def test_slices_from_several_senders_are_preloaded_as_the_whole_tensors(tmp_path):
+    from generator_service.worker_extension import map_preloaded_tensors
 
     values = arrays()
     chunks = [c for i, boxes in enumerate(THREE_SENDERS)
               for c in sliced(values, boxes, num_senders=3, sender=i)]  # fmt: skip
     rng = np.random.default_rng(1)
     chunks = [chunks[i] for i in rng.permutation(len(chunks))]  # interleaved in any order
-    staging = StagingFile(str(tmp_path))
-    tensors = stage(chunks, staging)
+    preloading = UpdateFile(str(tmp_path))
+    tensors = preload(chunks, preloading)
     manifest = [[t.name, t.wire_dtype, list(t.shape), t.position] for t in tensors]
-    maps, views = map_staged_tensors(staging.path, manifest)
+    maps, views = map_preloaded_tensors(preloading.path, manifest)
     for name, view in views:
         np.testing.assert_array_equal(view.numpy(), values[name])
     del views, view
     for mapped in maps:
         mapped.close()
-    staging.close()
+    preloading.close()
 
 
 @pytest.mark.parametrize(

@@ -9,17 +9,17 @@ engine loads views of the file. The file is created once and rewritten in place 
 (its pages stay allocated), and deleted by `close`; files of dead learners (whose lock no
 process holds, whatever its PID namespace: `jaxrlhf_wire.files`) are removed when a new one is
 created. Memory: the file is one copy of the model in /dev/shm, and it takes the
-place of the service's staging file (which a streamed update fills), so the host holds the same
+place of the service's update file (which a streamed update fills), so the host holds the same
 as with streaming, not more.
 
 The file must not change while a replica loads it: `GeneratorPool.publish_weights` writes the
 next update only after every replica answered the last one.
 
-Written as it is staged (`SharedWeights.progressive`, for servers whose status says
+Written as it is preloaded (`SharedWeights.progressive`, for servers whose status says
 `shared_progress`): the request goes out first (`begin_progress`, then `request(...,
 progressive=True)`), and `write(..., progress=True)` counts the tensors written so far in the
 file's first bytes (`PROGRESS_BYTES`; no tensor lies in the first page, and the count is stored
-under the file's lock: `jaxrlhf_wire.files.write_progress_count`), so that each server stages
+under the file's lock: `jaxrlhf_wire.files.write_progress_count`), so that each server preloads
 the layers already written while the learner writes the next. A write that fails marks the file
 abandoned (`PROGRESS_ABANDONED`) and the servers refuse the update.
 """
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-# ALIGNMENT and remove_stale_files live in jaxrlhf_wire (the service's staging file uses them too).
+# ALIGNMENT and remove_stale_files live in jaxrlhf_wire (the service's update file uses them too).
 from jaxrlhf_wire.dtypes import WEIGHT_DTYPES, wire_dtype_name
 from jaxrlhf_wire.files import (  # noqa: F401
     ALIGNMENT,

@@ -49,7 +49,7 @@ class PublishStats:
     # The longest time a replica paused generation for the swap (its reload, repack and reset).
     pause_seconds: float = 0.0
     # The longest time a replica took to receive and check the update before pausing.
-    stage_seconds: float = 0.0
+    preload_seconds: float = 0.0
     swapped: tuple[str, ...] = ()  # the replicas that serve `policy_version` now
     failed: tuple[str, ...] = ()  # the replicas this publish gave up on (marked failed)
 

@@ -9,7 +9,7 @@ file without converting anything again.
 
 `progressive` (every replica's status says `shared_progress`): a new version's request goes out
 before the file is written, and the file counts the tensors written as they are
-(`SharedWeightsFile.write(..., progress=True)`), so that the replicas stage the layers already
+(`SharedWeightsFile.write(..., progress=True)`), so that the replicas preload the layers already
 written while the learner converts and writes the next.
 """
 

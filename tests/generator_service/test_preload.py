@@ -1,22 +1,22 @@
-"""Staged swaps inside a real vLLM CPU engine (generator_service/updates/worker_stage.py), in a
+"""Preloaded swaps inside a real vLLM CPU engine (generator_service/updates/worker_preload.py), in a
 process of their own: the engine runs in that process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so that
 the probe below can read the live model between the worker's RPCs.
 
-- Staging writes nothing of the live model: every tensor keeps its storage and its values, and
+- Preloading writes nothing of the live model: every tensor keeps its storage and its values, and
   every packed linear (`cpu_linear`) stays the same object, until the commit.
 - The commit copies in place (the same storage, new values) and replaces every packed linear,
   the tied head's included (it stays tied to the embedding).
-- Tokens and log-probs after a staged swap equal, bit for bit, those after vLLM's in-place
-  reload of the same update (the non-staged path).
-- A stage that fails (a tensor of the wrong shape) is reported and leaves the live model as it
-  was; the next stage works.
-- A stage fed as the update arrives (`jaxrlhf_begin_stage`, then `jaxrlhf_feed_stage` a few
+- Tokens and log-probs after a preloaded swap equal, bit for bit, those after vLLM's in-place
+  reload of the same update (the non-preloaded path).
+- A preload that fails (a tensor of the wrong shape) is reported and leaves the live model as it
+  was; the next preload works.
+- A preload fed as the update arrives (`jaxrlhf_begin_preload`, then `jaxrlhf_feed_preload` a few
   tensors at a time, as the server does for a streamed update) loads each layer once all its
   tensors have come, waits for the rest, takes them in any order, and commits the same weights;
   a tensor the update was not to carry fails it.
-- Nothing of a stage outlives it: after each commit and drop, and after a failed stage is
+- Nothing of a preload outlives it: after each commit and drop, and after a failed preload is
   dropped, the only packed linears left in the process are the live model's, with Python's
-  cycle collector off (a stage that left a reference cycle behind kept its shadow modules and
+  cycle collector off (a preload that left a reference cycle behind kept its shadow modules and
   their packed weights until a rare full collection: a worker grew by about the packed model
   at every swap).
 """
@@ -34,7 +34,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_staging_is_invisible_until_the_commit(tiny_llama, tmp_path):
+def test_preloading_is_invisible_until_the_commit(tiny_llama, tmp_path):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     result = subprocess.run(
         [sys.executable, __file__, str(tiny_llama), str(tmp_path)],
@@ -43,9 +43,9 @@ def test_staging_is_invisible_until_the_commit(tiny_llama, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
 
-    assert report["staged_state"] == "done"
-    # Nothing live was written while staging.
-    assert report["while_staged"] == report["before"]
+    assert report["preloaded_state"] == "done"
+    # Nothing live was written while preloading.
+    assert report["while_preloaded"] == report["before"]
     commit = report["after_commit"]
     before = report["before"]
     assert set(commit["pointers"]) == set(before["pointers"])
@@ -57,9 +57,9 @@ def test_staging_is_invisible_until_the_commit(tiny_llama, tmp_path):
     ), "a packed linear was not replaced"
     assert "lm_head" in before["linears"] and commit["tied"]
 
-    assert report["staged_greedy"] != report["base_greedy"]
-    assert report["staged_greedy"] == report["reloaded_greedy"]
-    assert report["staged_logprobs"] == report["reloaded_logprobs"]  # bit for bit
+    assert report["preloaded_greedy"] != report["base_greedy"]
+    assert report["preloaded_greedy"] == report["reloaded_greedy"]
+    assert report["preloaded_logprobs"] == report["reloaded_logprobs"]  # bit for bit
 
     assert report["bad_state"] == "failed" and "size" in report["bad_error"]
     assert report["after_bad"] == report["before_bad"]
@@ -81,7 +81,7 @@ def test_staging_is_invisible_until_the_commit(tiny_llama, tmp_path):
     assert set(report["packed"]) == {"commit", "bad", "dropped", "fed", "unexpected"}
     for moment, packed in report["packed"].items():
         assert packed["live"] == len(before["linears"]), moment
-        assert packed["alive"] == packed["live"], f"{moment}: a stage left {packed} alive"
+        assert packed["alive"] == packed["live"], f"{moment}: a preload left {packed} alive"
 
 
 # ---- the probe, run in its own process -------------------------------------------------------
@@ -166,13 +166,13 @@ def _probe(model_dir: str, folder: str) -> dict:
     def rpc(method, **kwargs):
         return llm.collective_rpc(method, kwargs=kwargs)[0]
 
-    def stage_whole(path, manifest):  # a stage begun with every tensor already in the file
-        reason = rpc("jaxrlhf_begin_stage", expected=[entry[0] for entry in manifest])
-        assert reason or rpc("jaxrlhf_feed_stage", path=path, tensors=manifest)
+    def preload_whole(path, manifest):  # a preload begun with every tensor already in the file
+        reason = rpc("jaxrlhf_begin_preload", expected=[entry[0] for entry in manifest])
+        assert reason or rpc("jaxrlhf_feed_preload", path=path, tensors=manifest)
         return reason
 
     def wait():
-        while (status := rpc("jaxrlhf_stage_status"))["state"] == "running":
+        while (status := rpc("jaxrlhf_preload_status"))["state"] == "running":
             time.sleep(0.005)
         return status
 
@@ -181,74 +181,74 @@ def _probe(model_dir: str, folder: str) -> dict:
     new = {k: (v + rng.normal(0, 0.05, v.shape)).astype(np.float32) for k, v in base.items()}
     report: dict = {"base_greedy": greedy()[0], "before": llm.collective_rpc(_snapshot)[0]}
     report["packed"] = {}
-    gc.disable()  # what a stage leaves behind must be freed without the cycle collector
+    gc.disable()  # what a preload leaves behind must be freed without the cycle collector
 
     def packed(moment):
         report["packed"][moment] = llm.collective_rpc(_packed_linears)[0]
 
     path, manifest = _write(folder, new, "new")
-    assert stage_whole(path, manifest) == ""
-    report["staged_state"] = wait()["state"]
-    report["while_staged"] = llm.collective_rpc(_snapshot)[0]
-    rpc("jaxrlhf_commit_staged")
-    rpc("jaxrlhf_drop_staged")
+    assert preload_whole(path, manifest) == ""
+    report["preloaded_state"] = wait()["state"]
+    report["while_preloaded"] = llm.collective_rpc(_snapshot)[0]
+    rpc("jaxrlhf_commit_preloaded")
+    rpc("jaxrlhf_drop_preloaded")
     packed("commit")
     report["after_commit"] = llm.collective_rpc(_snapshot)[0]
-    report["staged_greedy"], report["staged_logprobs"] = greedy()
+    report["preloaded_greedy"], report["preloaded_logprobs"] = greedy()
 
-    # The same update by the non-staged path, from the base weights.
+    # The same update by the non-preloaded path, from the base weights.
     base_path, base_manifest = _write(folder, base, "base")
     rpc("jaxrlhf_reload_weights", path=base_path, tensors=base_manifest)
     assert greedy()[0] == report["base_greedy"]
     rpc("jaxrlhf_reload_weights", path=path, tensors=manifest)
     report["reloaded_greedy"], report["reloaded_logprobs"] = greedy()
 
-    # A stage that fails: one tensor whose shape does not fit its parameter.
+    # A preload that fails: one tensor whose shape does not fit its parameter.
     bad = dict(new)
     name = next(k for k in bad if k.endswith("mlp.down_proj.weight"))
     bad[name] = np.ascontiguousarray(bad[name][:, :-1])
     bad_path, bad_manifest = _write(folder, bad, "bad")
     report["before_bad"] = llm.collective_rpc(_snapshot)[0]
-    assert stage_whole(bad_path, bad_manifest) == ""
+    assert preload_whole(bad_path, bad_manifest) == ""
     status = wait()
     report["bad_state"], report["bad_error"] = status["state"], status["error"]
-    rpc("jaxrlhf_drop_staged")
+    rpc("jaxrlhf_drop_preloaded")
     packed("bad")
     report["after_bad"] = llm.collective_rpc(_snapshot)[0]
     report["after_bad_greedy"] = greedy()[0]
-    assert stage_whole(base_path, base_manifest) == ""
+    assert preload_whole(base_path, base_manifest) == ""
     report["next_state"] = wait()["state"]
-    rpc("jaxrlhf_drop_staged")  # done, dropped uncommitted
+    rpc("jaxrlhf_drop_preloaded")  # done, dropped uncommitted
     packed("dropped")
 
-    # Staged as it arrives: begun knowing only the names, fed a few tensors at a time.
+    # Preloaded as it arrives: begun knowing only the names, fed a few tensors at a time.
     names = [entry[0] for entry in base_manifest]
     layer = [entry for entry in base_manifest if entry[0].startswith("model.layers.0.")]
     rest = [entry for entry in base_manifest if entry not in layer]
-    assert rpc("jaxrlhf_begin_stage", expected=names, stage_id=7) == ""
-    assert not rpc("jaxrlhf_feed_stage", path=base_path, tensors=layer, stage_id=6)  # not it
-    assert rpc("jaxrlhf_feed_stage", path=base_path, tensors=layer[:1], stage_id=7)
+    assert rpc("jaxrlhf_begin_preload", expected=names, preload_id=7) == ""
+    assert not rpc("jaxrlhf_feed_preload", path=base_path, tensors=layer, preload_id=6)  # not it
+    assert rpc("jaxrlhf_feed_preload", path=base_path, tensors=layer[:1], preload_id=7)
     time.sleep(0.5)
-    report["before_a_layer"] = rpc("jaxrlhf_stage_status")
-    assert rpc("jaxrlhf_feed_stage", path=base_path, tensors=layer[1:], stage_id=7)
+    report["before_a_layer"] = rpc("jaxrlhf_preload_status")
+    assert rpc("jaxrlhf_feed_preload", path=base_path, tensors=layer[1:], preload_id=7)
     deadline = time.monotonic() + 60
-    while rpc("jaxrlhf_stage_status").get("layers", 0) < 1 and time.monotonic() < deadline:
+    while rpc("jaxrlhf_preload_status").get("layers", 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    report["after_a_layer"] = rpc("jaxrlhf_stage_status")  # the rest not yet fed
+    report["after_a_layer"] = rpc("jaxrlhf_preload_status")  # the rest not yet fed
     for part in (rest[len(rest) // 2 :], rest[: len(rest) // 2]):  # in any order
-        assert rpc("jaxrlhf_feed_stage", path=base_path, tensors=part, stage_id=7)
+        assert rpc("jaxrlhf_feed_preload", path=base_path, tensors=part, preload_id=7)
     report["fed_state"] = wait()["state"]
-    rpc("jaxrlhf_commit_staged")
-    rpc("jaxrlhf_drop_staged")
+    rpc("jaxrlhf_commit_preloaded")
+    rpc("jaxrlhf_drop_preloaded")
     packed("fed")
     report["fed_greedy"] = greedy()[0]
 
-    # A tensor the update does not have fails the stage.
-    assert rpc("jaxrlhf_begin_stage", expected=names[1:], stage_id=8) == ""
-    assert rpc("jaxrlhf_feed_stage", path=base_path, tensors=base_manifest[:1], stage_id=8)
+    # A tensor the update does not have fails the preload.
+    assert rpc("jaxrlhf_begin_preload", expected=names[1:], preload_id=8) == ""
+    assert rpc("jaxrlhf_feed_preload", path=base_path, tensors=base_manifest[:1], preload_id=8)
     status = wait()
     report["unexpected_state"], report["unexpected_error"] = status["state"], status["error"]
-    rpc("jaxrlhf_drop_staged")
+    rpc("jaxrlhf_drop_preloaded")
     packed("unexpected")
     return report
 

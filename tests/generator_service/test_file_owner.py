@@ -1,4 +1,4 @@
-"""Staging and shared weight files are owned by a lock, not a PID (`jaxrlhf_wire.files`).
+"""Update files and shared weight files are owned by a lock, not a PID (`jaxrlhf_wire.files`).
 
 Containers that share /dev/shm but not a PID namespace see none of each other's processes: a
 file's PID says nothing there. Simulated here with a live child whose file is renamed to a PID
@@ -23,9 +23,9 @@ GONE = 999999999  # above any pid_max: a PID no process has, in this namespace o
 CHILD = """
 import sys
 folder, kind = sys.argv[1:]
-if kind == "staging":
-    from generator_service.updates.bytes_file import StagingFile
-    made = StagingFile(folder)
+if kind == "update":
+    from generator_service.updates.bytes_file import UpdateFile
+    made = UpdateFile(folder)
 else:
     from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
     made = SharedWeightsFile(folder, [("w", (1024,), "float32")])
@@ -35,16 +35,16 @@ sys.stdin.read()
 
 
 def _prefix(kind: str) -> str:
-    if kind == "staging":
-        from generator_service.updates.bytes_file import StagingFile
+    if kind == "update":
+        from generator_service.updates.bytes_file import UpdateFile
 
-        return StagingFile.PREFIX
+        return UpdateFile.PREFIX
     from jaxrlhf.fleet.rpc.weights_file import PREFIX
 
     return PREFIX
 
 
-@pytest.mark.parametrize("kind", ["staging", "shared"])
+@pytest.mark.parametrize("kind", ["update", "shared"])
 def test_a_live_owner_in_another_pid_namespace_keeps_its_file(tmp_path, kind):
     prefix = _prefix(kind)
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), kind],
@@ -73,10 +73,10 @@ def test_a_live_owner_in_another_pid_namespace_keeps_its_file(tmp_path, kind):
 
 
 def _make(kind: str, folder: Path):
-    if kind == "staging":
-        from generator_service.updates.bytes_file import StagingFile
+    if kind == "update":
+        from generator_service.updates.bytes_file import UpdateFile
 
-        return StagingFile(str(folder))
+        return UpdateFile(str(folder))
     from jaxrlhf.fleet.rpc.weights_file import SharedWeightsFile
 
     return SharedWeightsFile(str(folder), [("w", (1024,), "float32")])

@@ -1,42 +1,42 @@
-"""Staged swaps, inside vLLM's worker: an update converted into the engine's own layout while
+"""Preloaded swaps, inside vLLM's worker: an update converted into the engine's own layout while
 generation goes on, then committed in a short pause.
 
 vLLM's in-place `reload_weights` cannot overlap generation: while it loads, the live modules'
-parameters are replaced by meta tensors. Staging instead loads into a *shadow* of the model
+parameters are replaced by meta tensors. Preloading instead loads into a *shadow* of the model
 (shadow.py: clones of the modules that hold parameters, with fresh tensors laid out as vLLM
 recorded at the first load):
 
-- `Stage`: in a thread of the worker, layer by layer: the layer's shadow modules get storage,
+- `Preload`: in a thread of the worker, layer by layer: the layer's shadow modules get storage,
   the model's own `load_weights` loads the layer's tensors into them (the names, the fusion into
   qkv_proj / gate_up_proj, the tie, the dtype cast: exactly the code of a first load), and each
   module whose tensors are all loaded goes through its `quant_method.
   process_weights_after_loading` at once (on the CPU backend this packs every linear weight
   into a oneDNN handler held by `cpu_linear` and frees the checkpoint-layout copy, whose memory
   the next layer then reuses; the tied head is packed from the *new* embedding). Processing
-  runs with the OpenMP thread count of the worker's own thread (`Stage._engine_threads`), not
-  the stage's `threads`: a oneDNN handler packs its weight in a layout chosen for the thread
+  runs with the OpenMP thread count of the worker's own thread (`Preload._engine_threads`), not
+  the preload's `threads`: a oneDNN handler packs its weight in a layout chosen for the thread
   count it was made under, and the engine runs it under the worker's count. Made under another
   count, some shapes come out wrong (vLLM 0.32's CPU backend: a [192, 64] fp32 weight made
   under 1 thread and run under 2 gives outputs off by ~40, with every weight right; the bed
-  model's qkv_proj, whose staged swaps served garbage while the engine ran 2 threads). The
+  model's qkv_proj, whose preloaded swaps served garbage while the engine ran 2 threads). The
   thread then compiles the commit: a `copy_` into each live tensor with data (same shape, dtype and
-  device, or staging fails), and the attributes processing replaced (only those in
-  `SWAPPED_ATTRIBUTES`; any other makes staging fail rather than commit something it does not
+  device, or preloading fails), and the attributes processing replaced (only those in
+  `SWAPPED_ATTRIBUTES`; any other makes preloading fail rather than commit something it does not
   understand).
-- `Stage.commit`, with the engine paused: the copies in place (captured graphs keep pointing at
+- `Preload.commit`, with the engine paused: the copies in place (captured graphs keep pointing at
   the same storage) and the attribute swaps. The replaced attributes are kept until `drop`, so
   their memory is freed after the engine resumes, not during the pause.
 
-Nothing of the live model is written before the commit, so a stage that fails (a bad tensor,
+Nothing of the live model is written before the commit, so a preload that fails (a bad tensor,
 a layout that does not match, an unsupported model) leaves the serving weights untouched.
 
-Memory: one more copy of the weights while a stage is held (on CPU: the packed form of every
+Memory: one more copy of the weights while a preload is held (on CPU: the packed form of every
 linear weight, the embedding, and one layer at a time in the checkpoint layout), from the
-worker's allocator, which keeps what the previous stage freed for the next one
+worker's allocator, which keeps what the previous preload freed for the next one
 (`memory.keep_freed_memory`), and freed by reference counting when it is dropped
-(`shadow.release_shadows`). `--no-stage` (generator_service) keeps the one-copy reload.
+(`shadow.release_shadows`). `--no-preload` (generator_service) keeps the one-copy reload.
 
-Unsupported (staging refuses; the engine then reloads in the pause as before): quantized
+Unsupported (preloading refuses; the engine then reloads in the pause as before): quantized
 models, LoRA, a model not loaded by vLLM's recorded metadata, and torch.compile on CPU (the
 swapped `cpu_linear` closures would be baked into compiled code).
 """
@@ -57,7 +57,7 @@ import torch
 
 from generator_service import failpoints
 from generator_service.updates.shadow import (
-    StagingUnsupported,
+    PreloadUnsupported,
     build_shadow,
     materialize,
     release_shadows,
@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 # Module attributes that post-load processing may replace and the commit swaps in: the CPU
 # backend's packed GEMM closure, and its unpacked conv weight.
 SWAPPED_ATTRIBUTES = frozenset({"cpu_linear", "_cpu_unpacked_conv_weight"})
-# Attributes of the shadow modules that staging itself sets or that processing uses as a flag.
+# Attributes of the shadow modules that preloading itself sets or that processing uses as a flag.
 _OWN_ATTRIBUTES = frozenset(
     {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
      "_already_called_process_weights_after_loading"}
@@ -76,17 +76,17 @@ _OWN_ATTRIBUTES = frozenset(
 
 
 # A checkpoint tensor's layer: "model.layers.3" of "model.layers.3.mlp.up_proj.weight" (the
-# shadow modules under that name are staged together); other tensors form one more group.
+# shadow modules under that name are preloaded together); other tensors form one more group.
 LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
-# A stage waiting this long for the next tensor of its update fails (the server drops a stage
-# whose update failed, so this only ends a stage nobody feeds nor drops).
+# A preload waiting this long for the next tensor of its update fails (the server drops a preload
+# whose update failed, so this only ends a preload nobody feeds nor drops).
 FEED_TIMEOUT_S = 600.0
 
 
-def staging_cuda_device(device: torch.device | str) -> torch.device | None:
-    """The CUDA device a stage's thread makes current: its worker's `device` (None for a worker
+def preloading_cuda_device(device: torch.device | str) -> torch.device | None:
+    """The CUDA device a preload's thread makes current: its worker's `device` (None for a worker
     not on CUDA: nothing to set). torch's current device belongs to a thread and a new thread's
     is GPU 0, so without it a tensor-parallel rank above 0 would make its stream, and run its
     kernels, on GPU 0. Call it in the worker's thread: "cuda" without an index means that
@@ -109,8 +109,8 @@ def _in_group(module_name: str, prefix: str) -> bool:
     return LAYER.match(module_name + ".") is None
 
 
-class StagingError(RuntimeError):
-    """A stage failed; the live weights were not touched."""
+class PreloadError(RuntimeError):
+    """A preload failed; the live weights were not touched."""
 
 
 def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -121,22 +121,22 @@ def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-class Stage:
-    """One update being staged in a thread of the worker (see the module docstring).
+class Preload:
+    """One update being preloaded in a thread of the worker (see the module docstring).
 
     `expected` names every checkpoint tensor of the update. Their (name, tensor) views come by
     `feed`, all at once or a few at a time while the update is still arriving; each layer is
     loaded as soon as all of its tensors have come, in the order the layers complete. `release`
     (one per feed) is called once those views are no longer read. `state` is "running",
-    "done", "failed" (with `error`), "unsupported" (the model cannot be staged: reload it in
+    "done", "failed" (with `error`), "unsupported" (the model cannot be preloaded: reload it in
     the pause) or, after `commit`, "committed"; `seconds` the thread's time; `threads` the CPU
     threads of its torch ops (0: torch's default); `device` the worker's (on CUDA, the thread
-    stages on it: `staging_cuda_device`). Create it in the worker's thread."""
+    preloads on it: `preloading_cuda_device`). Create it in the worker's thread."""
 
     def __init__(self, model: torch.nn.Module, expected: Sequence[str], threads: int = 0, *,
                  device: torch.device | str) -> None:  # fmt: skip
         self.model = model
-        self._cuda_device = staging_cuda_device(device)
+        self._cuda_device = preloading_cuda_device(device)
         self.state = "running"
         self.error = ""
         self.seconds = 0.0
@@ -159,11 +159,11 @@ class Stage:
         self._swaps: list[tuple[torch.nn.Module, str, object]] = []
         self._retired: list[object] = []
         self._stream = None
-        self._done = _stage_thread().submit(self._run)
+        self._done = _preload_thread().submit(self._run)
 
     def feed(self, views: Sequence[tuple[str, torch.Tensor]], release: Callable[[], None]) -> None:
         """More tensors of the update: (checkpoint name, tensor) views, which `release` frees.
-        A name that is not expected, or that came before, fails the stage."""
+        A name that is not expected, or that came before, fails the preload."""
         with self._fed:
             self._releases.append(release)
             if self.state != "running" or self._cancelled:
@@ -198,16 +198,16 @@ class Stage:
                 torch.cuda.set_device(self._cuda_device)  # (this thread's, for its lifetime)
                 self._stream = torch.cuda.Stream(self._cuda_device)
                 with torch.no_grad(), torch.cuda.stream(self._stream):
-                    self._stage()
+                    self._preload()
                 self._stream.synchronize()
             else:
                 with torch.no_grad():
-                    self._stage()
+                    self._preload()
             state = "done"
-        except StagingUnsupported as error:
+        except PreloadUnsupported as error:
             self.error, state = str(error), "unsupported"
         except Exception as error:  # noqa: BLE001 - reported through status()
-            logger.exception("staging failed")
+            logger.exception("preloading failed")
             self.error, state = f"{type(error).__name__}: {error}", "failed"
             self._copies, self._swaps = [], []
         self.seconds = time.monotonic() - started
@@ -229,11 +229,11 @@ class Stage:
             while not self._complete:
                 self._check_cancelled()
                 if self._feed_error:
-                    raise StagingError(self._feed_error)
+                    raise PreloadError(self._feed_error)
                 if len(self._seen) != seen:
                     seen, last_feed = len(self._seen), time.monotonic()
                 elif time.monotonic() - last_feed > FEED_TIMEOUT_S:
-                    raise StagingError(
+                    raise PreloadError(
                         f"no tensor of the update came for {FEED_TIMEOUT_S:g} s "
                         f"({len(self._seen)} came)"
                     )
@@ -245,9 +245,9 @@ class Stage:
 
     def _check_cancelled(self) -> None:
         if self._cancelled:
-            raise StagingError("cancelled")
+            raise PreloadError("cancelled")
 
-    def _stage(self) -> None:
+    def _preload(self) -> None:
         """Layer by layer (`LAYER`), as each layer's tensors have all come: give the layer's
         shadow modules storage, load its tensors with the model's own `load_weights`, and
         process each module once all of its tensors are loaded, which frees its
@@ -266,7 +266,7 @@ class Stage:
         names = {id(module): name for name, module in shadow.named_modules()}
         made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         loaded: set[int] = set()
-        staged, pending = [], list(pairs)
+        preloaded, pending = [], list(pairs)
         load_seconds = 0.0
         for index in range(len(self._expected)):
             self._check_cancelled()
@@ -290,7 +290,7 @@ class Stage:
                 if isinstance(quant_method, QuantizeMethodBase):
                     with _openmp_threads(self._engine_threads):
                         quant_method.process_weights_after_loading(module)
-                staged.append((live, module))
+                preloaded.append((live, module))
                 pending.remove((live, module))
         with self._fed:
             self._release_all_locked()
@@ -299,42 +299,42 @@ class Stage:
             part = [n for n, t in own.items() if id(t) in loaded]
             if part:
                 missing = sorted(set(own) - set(part))
-                raise StagingError(
+                raise PreloadError(
                     f"the update loads only part of {type(live).__name__} (not {missing})"
                 )
             # else nothing of it is in the update (attention scales): left as it is
-        if not staged:
-            raise StagingError("the update loaded no module")
+        if not preloaded:
+            raise PreloadError("the update loaded no module")
         self._check_cancelled()
         waited = self.phases.get("wait", 0.0)
         self.phases["load"] = load_seconds
         self.phases["process"] = time.monotonic() - started - load_seconds - waited
-        self._plan(staged)
+        self._plan(preloaded)
 
     def _hold(self) -> None:
-        """The `stage_weights` failpoint, after the first layer is loaded (chaos tests only)."""
-        hold = failpoints.hit("stage_weights")
+        """The `preload_weights` failpoint, after the first layer is loaded (chaos tests only)."""
+        hold = failpoints.hit("preload_weights")
         if hold is not None:
             kind, _, value = hold.partition("=")
             if kind != "sleep":
-                raise StagingError(f"the stage_weights failpoint cannot hold {hold!r}")
+                raise PreloadError(f"the preload_weights failpoint cannot hold {hold!r}")
             time.sleep(float(value))
 
-    def _plan(self, staged) -> None:
+    def _plan(self, preloaded) -> None:
         copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for live, module in staged:
+        for live, module in preloaded:
             new_tensors = _own_tensors(module)
             for name, tensor in _own_tensors(live).items():
                 new = new_tensors.get(name)
                 if new is None:
-                    raise StagingError(f"processing dropped {type(live).__name__}.{name}")
+                    raise PreloadError(f"processing dropped {type(live).__name__}.{name}")
                 if tensor.numel() == 0 and new.numel() == 0:
                     continue  # packed elsewhere (cpu_linear)
-                staged_as = (tuple(new.shape), new.dtype, new.device)
+                preloaded_as = (tuple(new.shape), new.dtype, new.device)
                 served_as = (tuple(tensor.shape), tensor.dtype, tensor.device)
-                if staged_as != served_as:
-                    raise StagingError(
-                        f"{type(live).__name__}.{name}: staged as {staged_as}, served as "
+                if preloaded_as != served_as:
+                    raise PreloadError(
+                        f"{type(live).__name__}.{name}: preloaded as {preloaded_as}, served as "
                         f"{served_as}"
                     )
                 if new is not tensor:
@@ -343,7 +343,7 @@ class Stage:
                 if key in _OWN_ATTRIBUTES or live.__dict__.get(key, _MISSING) is value:
                     continue
                 if key not in SWAPPED_ATTRIBUTES:
-                    raise StagingError(
+                    raise PreloadError(
                         f"processing changed {type(live).__name__}.{key}, which a commit does "
                         "not know how to swap"
                     )
@@ -351,9 +351,9 @@ class Stage:
         self._copies = list(copies.values())
 
     def commit(self) -> float:
-        """Puts the staged weights live (the engine must be paused); returns its seconds."""
+        """Puts the preloaded weights live (the engine must be paused); returns its seconds."""
         if self.state != "done":
-            raise StagingError(f"nothing to commit: the stage is {self.state} {self.error}")
+            raise PreloadError(f"nothing to commit: the preload is {self.state} {self.error}")
         started = time.monotonic()
         with torch.no_grad():
             for tensor, new in self._copies:
@@ -368,10 +368,10 @@ class Stage:
         return time.monotonic() - started
 
     def drop(self) -> None:
-        """Frees the staged update and the retired attributes; a stage still running stops
+        """Frees the preloaded update and the retired attributes; a preload still running stops
         before its next layer (or while waiting for one) and frees itself (without waiting
-        for it: this runs in an RPC that holds the engine's loop). A later stage queues behind
-        it on the one staging thread."""
+        for it: this runs in an RPC that holds the engine's loop). A later preload queues behind
+        it on the one preloading thread."""
         with self._fed:
             self._cancelled = True
             self._fed.notify_all()
@@ -396,11 +396,11 @@ def _openmp_threads(count: int):
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def _stage_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The worker's one staging thread, kept for its lifetime: each stage allocates from the same
-    glibc arena the last one freed (a new thread each time could take another arena, and fault
+def _preload_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The worker's one preloading thread, kept for its lifetime: each preload allocates from the
+    same glibc arena the last one freed (a new thread each time could take another arena, and fault
     in fresh pages again)."""
     global _EXECUTOR
     if _EXECUTOR is None:
-        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxrlhf-stage")
+        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxrlhf-preload")
     return _EXECUTOR

@@ -1,9 +1,9 @@
-"""A staged swap on an engine whose worker runs more than one OpenMP thread (the default of runs
+"""A preloaded swap on an engine whose worker runs more than one OpenMP thread (the default of runs
 and experiments: `generator.cpu_reserved_cores` 0) serves exactly the weights it was sent.
 
-The stage runs in a thread of its own with `--stage-threads` (1) threads, but processes each
+The preload runs in a thread of its own with `--preload-threads` (1) threads, but processes each
 module (on CPU: packs its weight into a oneDNN handler) under the worker's own thread count
-(updates/worker_stage.py). A handler made under 1 thread and run under 2 gave outputs off by
+(updates/worker_preload.py). A handler made under 1 thread and run under 2 gave outputs off by
 ~40 for a [192, 64] fp32 weight, every weight byte right: on the bed model (hidden 64, two
 heads of 32: a qkv_proj of [192, 64]) the first run on a fresh generator trained on samples of
 a broken policy (its sampler KL 8 after one update at lr 5e-6). The model here has those
@@ -25,7 +25,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10], [1, 20, 31, 17, 15, 3]]
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_staged_swap_on_a_multithreaded_engine_serves_the_new_weights(tmp_path, own_generator):
+def test_a_preloaded_swap_on_a_multithreaded_engine_serves_the_new_weights(tmp_path, own_generator):
     import torch
     import transformers
     from safetensors.numpy import load_file
@@ -42,12 +42,14 @@ def test_a_staged_swap_on_a_multithreaded_engine_serves_the_new_weights(tmp_path
     reference = Reference(
         transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     )
-    server = start_test_server(model, tmp_path / "server.log", ["--engine-threads", "2", "--stage"])
+    server = start_test_server(
+        model, tmp_path / "server.log", ["--engine-threads", "2", "--preload"]
+    )
     try:
         with GeneratorClient(server.address) as client:
-            assert client.status().staged_swaps
+            assert client.status().preloaded_swaps
             # Generating first makes the engine run its oneDNN handlers (made at load, under
-            # the worker's threads) before a stage makes new ones.
+            # the worker's threads) before a preload makes new ones.
             for version, seed in ((0, None), (1, 3), (2, 4)):
                 new = served if seed is None else perturbed(served, seed=seed)
                 if version:
@@ -66,6 +68,6 @@ def test_a_staged_swap_on_a_multithreaded_engine_serves_the_new_weights(tmp_path
                 served_logprobs = [np.asarray(c.logprobs) for c in completions]
                 for mine, theirs in zip(served_logprobs, logprobs, strict=True):
                     np.testing.assert_allclose(mine, theirs, atol=1e-3)
-        assert "staged in" in server.log_path.read_text()
+        assert "preloaded in" in server.log_path.read_text()
     finally:
         server.terminate()
