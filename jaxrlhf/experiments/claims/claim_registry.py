@@ -10,6 +10,7 @@ from jaxrlhf.experiments.claims import (
     corrections_mixed,
     corrections_replicated,
     losses_robust,
+    losses_rounds,
     pilot,
     samples_sooner,
     sizes_robust,
@@ -24,6 +25,7 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     async_as_good.SPEC,  # (a)
     async_step_sizes.SPEC,  # a-steps: (a) at three step sizes, pre-registered
     losses_robust.SPEC,  # (b)
+    losses_rounds.SPEC,  # b-rounds: (b) at the tuned settings over 4 rounds, pre-registered
     sizes_robust.SPEC,  # (c)
     samples_sooner.SPEC,  # (d)
     updates_per_batch.SPEC,  # (e)
