@@ -34,6 +34,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("qkv", None),
     ("norm", None),
     ("layers", None),
+    ("lora_rank", None),  # a LoRA factor's rank dim; its other dim follows the kernel's rule
     ("batch", ("data", "fsdp")),
     ("length", None),
     ("act_embed", None),

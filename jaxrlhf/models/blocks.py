@@ -97,8 +97,9 @@ class Attention(nn.Module):
 
         def proj(out_shape, out_axes, use_bias, name):
             return Projection(
-                out_shape, ("embed",), out_axes, use_bias, dt, pdt, cfg.contraction_block, name=name
-            )(x)
+                out_shape, ("embed",), out_axes, use_bias, dt, pdt, cfg.contraction_block,
+                cfg.lora_rank_of(name), cfg.lora_scale, name=name,
+            )(x)  # fmt: skip
 
         if cfg.is_neox:
             qkv = proj((heads, 3, head_dim), ("heads", "qkv", "head_dim"), cfg.qkv_bias, "qkv_proj")
@@ -122,6 +123,8 @@ class Attention(nn.Module):
             dt,
             pdt,
             cfg.contraction_block,
+            cfg.lora_rank_of("o_proj"),
+            cfg.lora_scale,
             name="o_proj",
         )(out)
 
@@ -145,6 +148,8 @@ class GatedMLP(nn.Module):
             dt,
             pdt,
             cfg.contraction_block,
+            cfg.lora_rank_of("gate_proj"),
+            cfg.lora_scale,
             name="gate_proj",
         )(x)
         up = Projection(
@@ -155,6 +160,8 @@ class GatedMLP(nn.Module):
             dt,
             pdt,
             cfg.contraction_block,
+            cfg.lora_rank_of("up_proj"),
+            cfg.lora_scale,
             name="up_proj",
         )(x)
         h = constrain(activation(cfg.hidden_act)(gate) * up, ("batch", "length", "act_mlp"))
@@ -166,6 +173,8 @@ class GatedMLP(nn.Module):
             dt,
             pdt,
             cfg.contraction_block,
+            cfg.lora_rank_of("down_proj"),
+            cfg.lora_scale,
             name="down_proj",
         )(h)
 
@@ -188,6 +197,8 @@ class PlainMLP(nn.Module):
             dt,
             pdt,
             cfg.contraction_block,
+            cfg.lora_rank_of("up_proj"),
+            cfg.lora_scale,
             name="up_proj",
         )(x)
         h = constrain(activation(cfg.hidden_act)(h), ("batch", "length", "act_mlp"))
@@ -199,6 +210,8 @@ class PlainMLP(nn.Module):
             dt,
             pdt,
             cfg.contraction_block,
+            cfg.lora_rank_of("down_proj"),
+            cfg.lora_scale,
             name="down_proj",
         )(h)
 

@@ -66,6 +66,12 @@ class ModelConfig:
     # Token log-probs (`Transformer(..., targets=...)`) computed this many positions at a
     # time, so that no [B, T, V] float32 logits exist at once (0 = all positions together).
     logprob_chunk: int = 0
+    # LoRA adapters (never written to config.json): rank 0 = none; else each linear layer named in
+    # `lora_targets` gains factors A [*in, r] and B [r, *out] beside its frozen kernel, and
+    # adds (lora_alpha / r) · x A B (`layers.Projection`; PEFT's convention, B = 0 at start).
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
     # The original HF config dict, kept so that export writes back every field we do not model.
     hf_config: dict[str, Any] = dataclasses.field(
         default_factory=dict, compare=False, hash=False, repr=False
@@ -78,6 +84,18 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         return self.rotary_dim if self.rotary_dim is not None else self.head_dim
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    def lora_rank_of(self, name: str) -> int:
+        """The adapter rank of the linear layer called `name` (0: no adapter)."""
+        return self.lora_rank if name in self.lora_targets else 0
+
+    def without_lora(self) -> ModelConfig:
+        """The base model: the same config with no adapters (the KL reference of a LoRA run)."""
+        return dataclasses.replace(self, lora_rank=0, lora_alpha=0.0, lora_targets=())
 
     def with_head(self, head: str) -> ModelConfig:
         """The same backbone with a different head ("lm" or "score")."""

@@ -150,8 +150,18 @@ def contract(x: jax.Array, kernel: jax.Array, n_in: int, dtype: Dtype, block: in
     return jnp.sum(jax.lax.dot_general(xb, kb, (dims, ((lead,), (0,)))), axis=0)
 
 
+def lora_a_init(key, shape, dtype=jnp.float32):
+    """PEFT's LoRA A: Kaiming-uniform with a = √5, i.e. U(±1/√fan_in), fan_in = the input dims."""
+    bound = 1.0 / math.sqrt(math.prod(shape[:-1]))
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
 class Projection(nn.Module):
-    """y = x · W (+ b) contracting the last `len(in_axes)` dims of x; W has in + out dims."""
+    """y = x · W (+ b) contracting the last `len(in_axes)` dims of x; W has in + out dims.
+
+    With `lora_rank` r > 0 it also holds a LoRA adapter, A [*in, r] (`lora_a`, `lora_a_init`) and
+    B [r, *out] (`lora_b`, zeros, so a new adapter leaves y unchanged), and adds
+    `lora_scale` · (x · A) · B. The kernel keeps its name and layout."""
 
     out_shape: tuple[int, ...]
     in_axes: tuple[str | None, ...]
@@ -160,6 +170,8 @@ class Projection(nn.Module):
     dtype: Dtype
     param_dtype: Dtype
     contraction_block: int = 0  # see `contract`
+    lora_rank: int = 0
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -178,6 +190,14 @@ class Projection(nn.Module):
                 self, "bias", self.out_shape, self.out_axes, self.param_dtype, nn.initializers.zeros
             )
             y = y + bias.astype(self.dtype)
+        if self.lora_rank:
+            rank, pdt = self.lora_rank, self.param_dtype
+            a_axes, b_axes = (*self.in_axes, "lora_rank"), ("lora_rank", *self.out_axes)
+            a = logical_param(self, "lora_a", (*in_shape, rank), a_axes, pdt, lora_a_init)
+            b = logical_param(self, "lora_b", (rank, *self.out_shape), b_axes, pdt,
+                              nn.initializers.zeros)  # fmt: skip
+            low = contract(x, a, n_in, self.dtype, self.contraction_block)
+            y = y + self.lora_scale * contract(low, b, 1, self.dtype)
         return y
 
 
