@@ -20,7 +20,7 @@ from generator_service.auth import (
 from generator_service.engine_config import GIB, EngineConfig
 from generator_service.model_check import ModelProblem, check_model
 from generator_service.server import EngineDiedError, ServerOptions, serve
-from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
+from jaxrlhf_wire import IN_FLIGHT_KV, LORA_RANKS, SWAP_MODES
 
 # Refuses to start an engine when set (its value says who forbids it): `make test-fast` sets it.
 NO_ENGINE_ENV = "JAXRLHF_NO_ENGINE"
@@ -116,12 +116,13 @@ def _add_update_options(group) -> None:
     """How weight updates are received, preloaded and swapped in."""
     group.add_argument(
         "--swap-mode",
-        choices=SWAP_MODES,
-        default="drain",
-        help="drain: a weight swap waits for running calls to finish (a call never spans a swap); "
-        "in-flight: running requests pause, continue on the new weights, and report each "
-        "token's policy version",
+        choices=[mode for mode in SWAP_MODES if mode != "lora"],
+        default=None,
+        help="drain (default): a weight swap waits for running calls to finish (a call never "
+        "spans a swap); in-flight: running requests pause, continue on the new weights, and "
+        "report each token's policy version. (Swap mode \"lora\" is --max-lora-rank's.)",
     )
+    _add_lora_options(group)
     group.add_argument(
         "--in-flight-kv",
         choices=IN_FLIGHT_KV,
@@ -138,10 +139,11 @@ def _add_update_options(group) -> None:
     group.add_argument(
         "--preload",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="preload each weight update (convert it into the engine's layout while generation "
-        "goes on, then pause only to copy it in): one more copy of the weights in memory while "
-        "an update is preloaded; --no-preload reloads in the pause, with one copy",
+        "goes on, then pause only to copy it in; the default, except with --max-lora-rank): one "
+        "more copy of the weights in memory while an update is preloaded; --no-preload reloads "
+        "in the pause, with one copy",
     )
     group.add_argument(
         "--preload-threads",
@@ -156,6 +158,34 @@ def _add_update_options(group) -> None:
         default=60.0,
         help="seconds an update sent by several learner processes waits, from its first "
         "stream, for the streams of the others; then it is refused",
+    )
+
+
+def _add_lora_options(group) -> None:
+    """LoRA mode: updates are adapters over the served model (swap mode "lora")."""
+    group.add_argument(
+        "--max-lora-rank",
+        type=int,
+        choices=LORA_RANKS,
+        default=0,
+        metavar="R",
+        help=f"serve LoRA adapters of rank up to R over the model (one of {list(LORA_RANKS)}, "
+        "vLLM's choices): every update is then an adapter (WeightChunk.lora), loaded with no "
+        "pause; requests in flight finish on their adapter. Default: off (full-weight updates)",
+    )
+    group.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="with --max-lora-rank: adapters that may serve requests at once, at least the "
+        "versions in flight (a learner's staleness window plus one; more queue) (default 4)",
+    )
+    group.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="with --max-lora-rank: adapters vLLM keeps loaded, >= --max-loras (default: "
+        "--max-loras + 2)",
     )
 
 
@@ -219,6 +249,28 @@ def option_error(args: argparse.Namespace) -> str | None:
     if args.engine_executor == "uni" and args.tensor_parallel_size != 1:
         return (f"--engine-executor uni runs one worker, but --tensor-parallel-size="
                 f"{args.tensor_parallel_size} needs one per device")  # fmt: skip
+    return lora_option_error(args)
+
+
+def lora_option_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the LoRA options, or their mix with the others (None: nothing)."""
+    if not args.max_lora_rank:
+        for flag, value in (("--max-loras", args.max_loras),
+                            ("--max-cpu-loras", args.max_cpu_loras)):  # fmt: skip
+            if value is not None:
+                return f"{flag} is for LoRA mode: give --max-lora-rank too"
+        return None
+    if args.swap_mode is not None:
+        return (f"--swap-mode {args.swap_mode} with --max-lora-rank: LoRA mode swaps adapters "
+                'with no pause (swap mode "lora"); leave --swap-mode out')  # fmt: skip
+    if args.preload:
+        return ("--preload with --max-lora-rank: adapters are loaded by vLLM (add_lora), never "
+                "preloaded; leave --preload out")  # fmt: skip
+    max_loras = 4 if args.max_loras is None else args.max_loras
+    if max_loras < 1:
+        return f"--max-loras={max_loras}: must be >= 1"
+    if args.max_cpu_loras is not None and args.max_cpu_loras < max_loras:
+        return f"--max-cpu-loras={args.max_cpu_loras}: must be >= --max-loras ({max_loras})"
     return None
 
 
@@ -247,10 +299,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         update_dir=args.update_dir,
         kv_cache_bytes=int(args.kv_cache_gib * GIB) if args.kv_cache_gib else None,
-        swap_mode=args.swap_mode,
+        swap_mode="lora" if args.max_lora_rank else args.swap_mode or "drain",
         in_flight_kv=args.in_flight_kv,
-        preload=args.preload,
+        preload=not args.max_lora_rank if args.preload is None else args.preload,
         preload_threads=args.preload_threads,
+        max_lora_rank=args.max_lora_rank,
+        max_loras=4 if args.max_loras is None else args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 

@@ -29,6 +29,12 @@ Admission (the `VersionGate` orders calls and swaps, gate.py):
 - A call that ends early (its client gone, a request failed) aborts its requests already in
   the engine.
 
+"lora" swap mode (updates/adapters.py): the base weights never change, and a call runs on the
+adapter served when it was admitted (none for version 0), which it holds until its last request
+has ended; as in "drain" mode it holds the gate for its whole run (only a seeded call, as a
+writer, ever waits there: adapter swaps never take it), and all of its tokens carry the
+adapter's version (the engine's weight-version spans stay at the base's 0, checked).
+
 Prefix-cache entries never cross versions: every request's prompt is salted with the version
 it was submitted under (`cache_salt`), and a swap resets the prefix cache where nothing holds
 it. One exception, in "keep" mode: a request submitted under v and first scheduled after a swap
@@ -98,8 +104,11 @@ class Calls:
     """The Generate calls of one engine (module docstring)."""
 
     def __init__(self, llm, gate: VersionGate, served: Served, occupancy: Occupancy, *,
-                 in_flight: bool, in_flight_kv: str, per_request_seeds: bool) -> None:  # fmt: skip
+                 in_flight: bool, in_flight_kv: str, per_request_seeds: bool,
+                 adapters=None) -> None:  # fmt: skip
         self.llm = llm
+        # "lora" mode: the engine's AdapterSwaps (`use` holds the served adapter for a call).
+        self.adapters = adapters
         self.gate = gate
         self.seeded_gate = VersionGate()  # "in-flight" mode: seeded calls alone, without swaps
         self.served = served
@@ -193,11 +202,21 @@ class Calls:
             finished_unix_time=time.time(),
         )
 
+    def adapter_of_call(self):
+        """A context that holds the served adapter for a call and gives vLLM's request for it
+        (None: the base, or not "lora" mode)."""
+        return contextlib.nullcontext() if self.adapters is None else self.adapters.use()
+
     def _tagged(self, request: _Request, final, version: int, num_tokens: int) -> list[int]:
         """The version of each of the request's tokens (module docstring)."""
         spans = final.outputs[0].weight_versions
         versions = token_versions(spans, num_tokens)
-        allowed = (lambda v: v >= version) if self.in_flight else (lambda v: v == version)
+        if self.adapters is not None:  # the base never moves: every token is the adapter's
+            if versions is not None and not any(versions):
+                return [version] * num_tokens
+            allowed = lambda v: False  # the base must stay version 0: refused below
+        else:
+            allowed = (lambda v: v >= version) if self.in_flight else (lambda v: v == version)
         if versions is None or not all(map(allowed, versions)):
             # Never hand out a wrongly tagged completion: in "drain" mode the gate makes a
             # mixed one impossible, and no token predates the version it was submitted under.
@@ -276,6 +295,7 @@ class _Call:
         self._submitted: list[str] = []  # the request ids in the engine
         self._freed = asyncio.Semaphore(0)  # one release per ended request
         self._paused = False  # the scheduler, by this (seeded) call
+        self._lora = None  # "lora" mode: vLLM's request of the adapter the call holds
 
     def ended(self, _) -> None:
         self.admitted.set()
@@ -298,21 +318,26 @@ class _Call:
                     "send a complete weight update",
                 )
             version = calls.served.policy_version
-            if self._seeded:
-                await self._pause()
-            try:
-                async with asyncio.TaskGroup() as group:
-                    try:
-                        wave = await self._admit(group, held, version)
-                        await self._submit_the_rest(group, wave, version)
-                    except BaseException:
-                        # The call's requests already in the engine go with it (their
-                        # collectors may be cancelled before they ever ran).
-                        await asyncio.shield(self._llm.abort(self._submitted, internal=True))
-                        raise
-            finally:
-                if self._paused:
-                    await self._llm.resume_generation()
+            with calls.adapter_of_call() as self._lora:  # with the version: no await between
+                await self._run_admitted(held, version)
+
+    async def _run_admitted(self, held: contextlib.AsyncExitStack, version: int) -> None:
+        """`run` once admitted under `version`: submits the requests, waits for every one."""
+        if self._seeded:
+            await self._pause()
+        try:
+            async with asyncio.TaskGroup() as group:
+                try:
+                    wave = await self._admit(group, held, version)
+                    await self._submit_the_rest(group, wave, version)
+                except BaseException:
+                    # The call's requests already in the engine go with it (their
+                    # collectors may be cancelled before they ever ran).
+                    await asyncio.shield(self._llm.abort(self._submitted, internal=True))
+                    raise
+        finally:
+            if self._paused:
+                await self._llm.resume_generation()
 
     async def _admit(self, group: asyncio.TaskGroup, held: contextlib.AsyncExitStack,
                      version: int) -> list[asyncio.Task]:  # fmt: skip
@@ -365,7 +390,9 @@ class _Call:
             params = self._request_params(request)
             prompt = tokens_input(request.token_ids, cache_salt=f"policy-{version}")
             request.submitted = time.time()
-            collector = await self._llm.add_request(request.request_id, prompt, params)
+            collector = await self._llm.add_request(
+                request.request_id, prompt, params, lora_request=self._lora
+            )
             self._submitted.append(collector.request_id)
             tasks.append(group.create_task(self._collect(request, collector, version)))
         return tasks

@@ -10,6 +10,7 @@ rules:
 |---|---|
 | Generate calls: admission, submission, samples, the version of every token | calls.py |
 | swaps: the pause ("drain" or "in-flight"), a failed or cancelled swap | updates/swap.py |
+| "lora" mode: adapters loaded, served, held by calls and unloaded | updates/adapters.py |
 | preloads: begin, feed, wait for and drop one; preloading off | updates/engine_preload.py |
 | what it reports: the served version, occupancy, a swap's times | status.py |
 | its settings, and how vLLM is started from them | engine_config.py |
@@ -38,9 +39,11 @@ from generator_service.engine_config import (
 from generator_service.gate import VersionGate
 from generator_service.requests import Sampling
 from generator_service.status import Occupancy, Served, SwapTimes
+from generator_service.updates.adapter import LoraSettings, update_specs
+from generator_service.updates.adapters import AdapterSwaps, adapters_root
 from generator_service.updates.engine_preload import PreloadControl
 from generator_service.updates.swap import Swaps
-from generator_service.updates.tensors import PreloadTensor
+from generator_service.updates.tensors import PreloadTensor, TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,10 @@ class GeneratorEngine:
         )
         self._swaps = Swaps(self._llm, self._gate, self._served, self.occupancy, self._preloads,
                             config.in_flight, config.in_flight_kv)  # fmt: skip
+        self.adapters = None  # "lora" mode's AdapterSwaps
+        if config.lora:
+            self.adapters = AdapterSwaps(self._llm, self._served, adapters_root(self.update_dir),
+                                         config.model)  # fmt: skip
         self._calls = Calls(
             self._llm, self._gate, self._served, self.occupancy,
             in_flight=config.in_flight, in_flight_kv=config.in_flight_kv,
@@ -84,6 +91,7 @@ class GeneratorEngine:
             # prefill split (seen on SmolLM2 with ~40 requests at once); short prompts alone
             # never hit it.
             per_request_seeds=not current_platform.is_cpu(),
+            adapters=self.adapters,
         )  # fmt: skip
 
     async def start(self) -> None:
@@ -144,6 +152,16 @@ class GeneratorEngine:
         """Why this engine's updates cannot be preloaded (they are then reloaded in the pause)."""
         return self._preloads.unsupported
 
+    @property
+    def adapter_versions(self) -> list[int]:
+        """In "lora" mode, the versions of the adapters loaded now (else empty)."""
+        return [] if self.adapters is None else self.adapters.versions
+
+    def update_specs(self, lora: LoraSettings | None) -> dict[str, TensorSpec]:
+        """The tensors an update must carry: the served model's, or (with `lora`, in "lora"
+        mode) its adapter's; refusals as `adapter.update_specs`'s."""
+        return update_specs(self.weight_specs, lora, self.config.max_lora_rank)
+
     def validate(self, prompts: Sequence[tuple[str, Sequence[int]]], sampling: Sampling) -> None:
         """Raises GenerateError(INVALID_ARGUMENT) naming the first problem found, or
         FAILED_PRECONDITION for what this engine cannot do."""
@@ -166,9 +184,15 @@ class GeneratorEngine:
         allow_rollback: bool = False,
         preload_id: int = 0,
         update_id: str = "",
+        lora: LoraSettings | None = None,
     ) -> SwapTimes:
         """Loads a validated, complete update preloaded in `update_path` as `policy_version`
-        (`Swaps.swap_weights`); `update_id` is recorded with the version."""
+        (`Swaps.swap_weights`; an adapter with settings `lora`: `AdapterSwaps.swap`);
+        `update_id` is recorded with the version."""
+        if lora is not None:
+            return await self.adapters.swap(
+                update_path, tensors, lora, policy_version, allow_rollback, update_id
+            )
         return await self._swaps.swap_weights(
             update_path, tensors, policy_version, allow_rollback, preload_id, update_id
         )
@@ -197,3 +221,5 @@ class GeneratorEngine:
             llm.shutdown(timeout=timeout)
             del llm
             gc.collect()
+        if self.adapters is not None:
+            self.adapters.close()

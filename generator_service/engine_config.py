@@ -11,6 +11,8 @@ Rules kept here:
   neither is given, it is `default_cpu_kv_cache_bytes()`.
 - A model with no local folder (or no safetensors there) serves, but refuses weight updates
   with the reason (`served_weight_specs`).
+- "lora" mode (`max_lora_rank` > 0) starts vLLM with LoRA enabled, takes adapters only, and
+  never preloads (adapters are loaded by vLLM's `add_lora`: updates/adapters.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from generator_service.updates.tensors import TensorSpec, expected_tensors
-from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
+from jaxrlhf_wire import IN_FLIGHT_KV, LORA_RANKS, SWAP_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,13 @@ class EngineConfig:
     # CPU backend it shares the cores with generation).
     preload: bool = True
     preload_threads: int = 1
+    # "lora" mode (swap_mode "lora"): the largest adapter rank (one of LORA_RANKS; 0: off), how
+    # many adapters may serve requests at once (requests of more versions queue: at least the
+    # versions a learner's staleness window keeps in flight, plus one), and how many vLLM keeps
+    # loaded in memory (None: max_loras + 2).
+    max_lora_rank: int = 0
+    max_loras: int = 4
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.swap_mode not in SWAP_MODES:
@@ -70,6 +79,26 @@ class EngineConfig:
             raise ValueError(
                 f"in-flight KV policy must be one of {IN_FLIGHT_KV}, got {self.in_flight_kv!r}"
             )
+        if self.max_lora_rank not in (0, *LORA_RANKS):
+            raise ValueError(f"max_lora_rank must be one of {LORA_RANKS}, got {self.max_lora_rank}")
+        if (self.swap_mode == "lora") != (self.max_lora_rank > 0):
+            raise ValueError('swap mode "lora" goes with a max_lora_rank > 0, and only it')
+        if self.lora and self.preload:
+            raise ValueError("adapters are never preloaded: preload must be False in lora mode")
+        if self.max_loras < 1 or self.lora_cache_size < self.max_loras:
+            raise ValueError(
+                f"max_loras={self.max_loras} must be >= 1 and max_cpu_loras="
+                f"{self.max_cpu_loras} >= it"
+            )
+
+    @property
+    def lora(self) -> bool:
+        return self.swap_mode == "lora"
+
+    @property
+    def lora_cache_size(self) -> int:
+        """vLLM's max_cpu_loras."""
+        return self.max_loras + 2 if self.max_cpu_loras is None else self.max_cpu_loras
 
     @property
     def in_flight(self) -> bool:
@@ -109,6 +138,10 @@ def open_llm(config: EngineConfig):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     on_cpu = current_platform.is_cpu()
+    lora = {}
+    if config.lora:
+        lora = dict(enable_lora=True, max_lora_rank=config.max_lora_rank,
+                    max_loras=config.max_loras, max_cpu_loras=config.lora_cache_size)  # fmt: skip
     args = AsyncEngineArgs(
         model=config.model,
         dtype=config.dtype,
@@ -124,6 +157,7 @@ def open_llm(config: EngineConfig):
         disable_log_stats=True,
         worker_extension_cls=WORKER_EXTENSION,
         distributed_executor_backend=config.executor,
+        **lora,
     )
     return AsyncLLM.from_engine_args(args)
 

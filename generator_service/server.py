@@ -138,6 +138,15 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, self._engine.weight_specs_error
             )
+        if self._engine.config.lora or request.HasField("lora"):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "UpdateWeightsShared does not carry LoRA adapters (yet): stream the adapter "
+                "with UpdateWeights (WeightChunk.lora)"
+                if self._engine.config.lora
+                else "this server takes full weights only, not LoRA adapters: start it with "
+                "--max-lora-rank to serve adapters",
+            )
         if not is_local_peer(context.peer()):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -176,7 +185,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             last_update_unix_time=engine.last_update_unix_time,
             num_updates=engine.num_updates,
             serving=engine.serving,
-            num_weight_tensors=len(engine.weight_specs or ()),
+            num_weight_tensors=0 if engine.config.lora else len(engine.weight_specs or ()),
             vllm_version=engine.vllm_version,
             swap_pending=engine.swap_pending,
             shared_weights_dir=engine.update_dir if engine.weight_specs is not None else "",
@@ -191,11 +200,22 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             pause_seconds=applier.last_swap.pause_seconds,
             preload_tokens=applier.last_swap.preload_tokens,
             preloaded_swaps=engine.preloads,
-            preloaded_swaps_off=engine.preload_unsupported
-            or ("" if engine.config.preload else "started with --no-preload"),
+            preloaded_swaps_off=_preload_off(engine),
             shared_progress=True,
             update_id=engine.update_id,
+            max_lora_rank=engine.config.max_lora_rank,
+            max_loras=engine.config.max_loras if engine.config.lora else 0,
+            adapter_versions=engine.adapter_versions,
         )
+
+
+def _preload_off(engine: GeneratorEngine) -> str:
+    """Why the engine's updates are not preloaded ("" when they are)."""
+    if engine.config.lora:
+        return "LoRA mode: adapters are loaded by vLLM (add_lora), with no pause"
+    if engine.preload_unsupported:
+        return engine.preload_unsupported
+    return "" if engine.config.preload else "started with --no-preload"
 
 
 def _response(applied: Applied) -> generator_pb2.UpdateWeightsResponse:

@@ -61,6 +61,15 @@ class Checkpointer:
         )
         return restored["state"], restored["meta"]
 
+    def meta(self, step: int | None = None) -> dict[str, Any]:
+        """The metadata alone of checkpoint `step` (None: the newest), read before the state
+        is restored (what it was saved from can be checked first)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return restored["meta"]
+
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()

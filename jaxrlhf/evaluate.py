@@ -8,7 +8,8 @@
 
 `--checkpoint` is a run's output dir, its `checkpoints/` dir or one step's dir; the policy's
 parameters are restored from it (only them: no optimizer state) onto the architecture of
-`config.model.path`. Greedy responses to the split's prompts come from a generator service —
+`config.model.path` (a LoRA run's adapters, with its `--config.model.lora.rank=R`, merged
+into that base). Greedy responses to the split's prompts come from a generator service —
 the configured `generator.addresses` (the weights are published to it) or one started here on
 an exported copy. Reported (report.json, samples.jsonl, report.png in the output dir):
 
@@ -89,6 +90,26 @@ def restore_policy(step_dir: Path, like_params):
     return restored["params"]["policy"] if nested else restored["params"]
 
 
+def checkpoint_policy(config, base: Path, step_dir: Path, mesh):
+    """(the model of `base`, the checkpoint's policy parameters on it). A LoRA run's checkpoint
+    (`config.model.lora.rank` > 0, as it was trained) holds its adapters: they are restored
+    and merged into the base (W + (alpha / r) A B), the weights its generators served."""
+    import functools
+
+    from jaxrlhf.models import load_pretrained
+    from jaxrlhf.models import lora as lora_lib
+
+    model, like = load_pretrained(base, mesh=mesh, **model_options(config.model))
+    if not config.model.lora.rank:
+        return model, restore_policy(step_dir, like)
+    from jaxrlhf.rl.learner import lora_policy
+
+    policy, adapter_like = lora_policy(model, config.model.lora, config.seed, mesh)
+    adapter = restore_policy(step_dir, adapter_like)
+    merge = jax.jit(functools.partial(lora_lib.merged_on_device, policy.config))
+    return model, merge(adapter, like)
+
+
 def prompt_response_batches(tokenizer, prompts, responses):
     """Arrays for scoring: one row per (prompt, response text + EOS), padded to the longest."""
     from jaxrlhf.data.types import prompt_ids, response_ids
@@ -155,7 +176,6 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
     import transformers
 
     from jaxrlhf.data import task_registry
-    from jaxrlhf.models import load_pretrained
     from jaxrlhf.models.paths import resolve_model
     from jaxrlhf.report import build_report, write_report
     from jaxrlhf.rl.tasks import tokenize_prompts
@@ -167,9 +187,7 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
     base = resolve_model(config.model.path)
     mesh = make_mesh(tuple(config.mesh.shape))
     frozen = model_options(config.model, frozen=True)  # the gold and SFT models, scoring only
-    model, like = load_pretrained(base, mesh=mesh, **model_options(config.model))
-    params = restore_policy(step_dir, like)
-    del like
+    model, params = checkpoint_policy(config, base, step_dir, mesh)
     log(f"restored the policy from {step_dir}")
     tokenizer = transformers.AutoTokenizer.from_pretrained(base)
     prompts = task_registry.prompt_examples(config.task, split, config.seed)

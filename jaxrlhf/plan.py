@@ -11,8 +11,10 @@ mesh — the train step (micro-batches, chunked log-probs, mixed precision and a
 the reference log-prob forward and the reward model's scoring — and XLA's memory analysis of
 each gives its per-device arguments, outputs and temporaries. Printed per device:
 
-- parameters, optimizer state and frozen models (reference, reward model): the sizes of their
-  shards on the mesh; gradients and activations live in XLA's temporaries of the train step;
+- parameters, optimizer state and frozen models (reference, reward model; a LoRA run's base,
+  which is its reference too): the sizes of their shards on the mesh; gradients and
+  activations live in XLA's temporaries of the train step (a LoRA run trains its adapters
+  alone: they are its parameters, and its optimizer state and gradients are theirs);
 - beside them, an analytic estimate (FSDP over all devices: parameters, two Adam moments and
   float32 gradients of the trained models; a micro-batch's remat checkpoints, one layer's
   working set and one chunk of logits);
@@ -54,9 +56,14 @@ def analytic_bytes(config, shapes: dict[str, Any], devices: int) -> dict[str, in
             math.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(abstract_params(model)))
         )
 
+    def adapters(model) -> int:  # a LoRA policy trains its factors alone
+        from jaxrlhf.models import lora
+
+        return count(model) - count(lora.base_model(model)) if model.config.lora_rank else 0
+
     param_bytes = np.dtype(config.model.param_dtype).itemsize
     compute_bytes = np.dtype(config.model.dtype).itemsize
-    trained = sum(count(m) for m in shapes["trained"])
+    trained = sum(adapters(m) or count(m) for m in shapes["trained"])
     frozen = sum(count(m) for m in shapes["frozen"])
     policy = shapes["trained"][0].config
     rows = max(1, shapes["rows"] // devices)  # one micro-batch's rows on one device

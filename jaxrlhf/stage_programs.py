@@ -201,9 +201,11 @@ def _rlhf_programs(config, mesh):
     frozen = _frozen_models(config, mesh, spec, trained[0])
     frozen_bytes = {name: shard_bytes(p) for name, (_, p) in frozen.items()}
     step, batch, micro = _train_step(config, mesh, spec, trained, state_sharding, optimizer,
-                                     inputs)  # fmt: skip
-    programs = [StageProgram("train_step", step, (state, _batch_spec(batch, mesh)),
-                             sum(frozen_bytes.values()))]  # fmt: skip
+                                     inputs, frozen.get("base"))  # fmt: skip
+    # A LoRA run's step reads its base as an argument: not resident besides.
+    base = () if "base" not in frozen else ({"policy": frozen["base"][1]},)
+    programs = [StageProgram("train_step", step, (state, _batch_spec(batch, mesh), *base),
+                             sum(frozen_bytes.values()) - shard_bytes(base))]  # fmt: skip
     programs += _forward_programs(config, mesh, spec, inputs, state, frozen, frozen_bytes,
                                   trained[1] if len(trained) > 1 else None)  # fmt: skip
     sizes = {
@@ -221,11 +223,17 @@ def _rlhf_programs(config, mesh):
 
 def _rlhf_state(config, mesh, spec):
     """The trained models (policy, and value when the loss needs one), their abstract train
-    state with its sharding, and the optimizer."""
-    policy = _model(config, _architecture(config))
+    state with its sharding, and the optimizer. A LoRA run's policy (`model.lora`) trains its
+    adapters alone: they are the state's "policy"."""
+    policy = _lora(config, _model(config, _architecture(config)))
     trained = [policy]
     params, shardings = {}, {}
     params["policy"], shardings["policy"] = abstract_model_params(policy, mesh)
+    if policy.config.lora_rank:
+        from jaxrlhf.models import lora
+
+        params["policy"] = lora.split(params["policy"])[0]
+        shardings["policy"] = lora.split(shardings["policy"])[0]
     if spec.needs_value_model:
         value = _model(config, config.loss_params.value_model_path or _architecture(config),
                        "score")  # fmt: skip
@@ -259,11 +267,28 @@ def _rollout_inputs(config, spec):
     )  # fmt: skip
 
 
+def _lora(config, model):
+    """`model` with `config.model.lora`'s adapters (as the learner makes them), or as it is."""
+    rank = config.model.lora.rank
+    if not rank:
+        return model
+    from jaxrlhf.models import lora
+
+    alpha = config.model.lora.alpha or 2.0 * rank
+    return lora.with_lora(model, rank, alpha, tuple(config.model.lora.targets))
+
+
 def _frozen_models(config, mesh, spec, policy) -> dict:
     """{name: (model, abstract params)} of the frozen models: the reference (the policy in the
-    compute dtype) and the reward model, where the run has them."""
+    compute dtype) and the reward model, where the run has them. A LoRA run's frozen base (in
+    the compute dtype) is "base", and its reference too (adapters off): no second copy."""
     frozen = {}
-    if spec.needs_reference(config.loss_params):
+    if policy.config.lora_rank:
+        from jaxrlhf.models import lora
+
+        base_params = lora.split(abstract_model_params(policy, mesh, config.model.dtype)[0])[1]
+        frozen["base"] = (lora.base_model(policy), base_params)
+    elif spec.needs_reference(config.loss_params):
         ref_params, _ = abstract_model_params(policy, mesh, config.model.dtype)
         frozen["reference"] = (policy, ref_params)
     if config.task.reward_model:
@@ -273,8 +298,10 @@ def _frozen_models(config, mesh, spec, policy) -> dict:
     return frozen
 
 
-def _train_step(config, mesh, spec, trained, state_sharding, optimizer, inputs):
-    """(the jitted train step, its prepared batch, its micro-batch count)."""
+def _train_step(config, mesh, spec, trained, state_sharding, optimizer, inputs, base=None):
+    """(the jitted train step, its prepared batch, its micro-batch count); a LoRA run's
+    (`base`: its frozen base model and params) takes the base as its third argument."""
+    from jaxrlhf.rl.learner import with_frozen
     from jaxrlhf.rl.objectives import build_objective
     from jaxrlhf.train_state import build_train_step, micro_batch_count
 
@@ -284,9 +311,16 @@ def _train_step(config, mesh, spec, trained, state_sharding, optimizer, inputs):
     batch = objective.prepare(inputs)
     items = next(iter(batch.values())).shape[0]
     micro = micro_batch_count(items, config.train.micro_batch_size, spec.sequences_per_item)
-    step = build_train_step(objective.loss_fn, optimizer, mesh, state_sharding,
+    loss_fn, frozen_shardings = objective.loss_fn, None
+    if base is not None:
+        import jax
+
+        loss_fn = with_frozen(loss_fn)
+        frozen_shardings = {"policy": jax.tree.map(lambda leaf: leaf.sharding, base[1])}
+    step = build_train_step(loss_fn, optimizer, mesh, state_sharding,
                             {k: v.shape for k, v in batch.items()}, micro_batches=micro,
-                            weight_fn=spec.batch_weight)  # fmt: skip
+                            weight_fn=spec.batch_weight,
+                            frozen_shardings=frozen_shardings)  # fmt: skip
     return step, batch, micro
 
 
@@ -310,17 +344,20 @@ def _forward_programs(config, mesh, spec, inputs, state, frozen, frozen_bytes, v
                             "m": np.zeros((ids_rows, length), np.int32)}, mesh)  # fmt: skip
     all_rows = _batch_spec({"i": inputs.input_ids, "m": inputs.attention_mask}, mesh)
     programs = []
-    if "reference" in frozen:
-        policy = frozen["reference"][0]
+    reference_of = "reference" if "reference" in frozen else "base"
+    if reference_of == "base" and not spec.needs_reference(config.loss_params):
+        reference_of = None
+    if reference_of is not None:
+        policy = frozen[reference_of][0]
 
         def reference(p, i, m):
             with activate(mesh):
                 return next_token_logprobs(policy, p, i, m, temperature)
 
         forward = jax.jit(forward_in_micro_batches(reference, mbs))
-        others = state_bytes + frozen_bytes.get("reward_model", 0)
+        others = state_bytes + sum(frozen_bytes.values()) - frozen_bytes[reference_of]
         programs.append(StageProgram("reference_logprobs", forward, (
-            frozen["reference"][1], ids_spec["i"], ids_spec["m"]), others))  # fmt: skip
+            frozen[reference_of][1], ids_spec["i"], ids_spec["m"]), others))  # fmt: skip
     if "reward_model" in frozen:
         from jaxrlhf.stages.reward import last_token_scores
 
@@ -331,7 +368,7 @@ def _forward_programs(config, mesh, spec, inputs, state, frozen, frozen_bytes, v
                 return last_token_scores(reward_model.apply({"params": p}, i, m), m)
 
         forward = jax.jit(forward_in_micro_batches(score, mbs))
-        others = state_bytes + frozen_bytes.get("reference", 0)
+        others = state_bytes + sum(frozen_bytes.values()) - frozen_bytes["reward_model"]
         programs.append(StageProgram("reward_scores", forward, (
             frozen["reward_model"][1], all_rows["i"], all_rows["m"]), others))  # fmt: skip
     if value is not None:

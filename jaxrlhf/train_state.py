@@ -8,6 +8,7 @@ fsdp), so the same code runs on one CPU or on a (data, fsdp, tensor) mesh.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -170,7 +171,8 @@ def build_train_step(
     micro_batches: int = 1,
     weight_fn: Callable[[dict[str, jax.Array]], jax.Array] | None = None,
     keep_params: bool = False,
-) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
+    frozen_shardings: Any = None,
+) -> Callable[..., tuple[TrainState, dict[str, jax.Array]]]:
     """jit(step) with explicit in/out shardings; the input state is donated (updated in place).
     With `keep_params` the parameters are not donated (the optimizer state still is): the step
     writes new ones and the old stay valid for whoever holds them (a publish running beside
@@ -179,18 +181,24 @@ def build_train_step(
     With `micro_batches` > 1 the batch is split (`split_micro_batches`) and the gradients are
     accumulated over the parts (`accumulated_gradients`), then one optimizer step is taken: the
     step of the whole batch.
+
+    With `frozen_shardings` the step takes a third argument, parameters that are read and never
+    trained (a LoRA run's base weights: `jaxrlhf.models.lora`), placed so and never donated;
+    `loss_fn(params, batch, frozen)` then differentiates `params` alone, so the gradients and the
+    optimizer state hold only them.
     """
     batch_spec = {
         name: batch_sharding(mesh, len(shape), shape[0]) for name, shape in batch_shapes.items()
     }
 
-    def gradients(params, batch):
-        with activate(mesh, rules):
-            return jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    def step(state: TrainState, batch: dict[str, jax.Array], *frozen):
+        loss = loss_fn if not frozen else functools.partial(loss_fn, frozen=frozen[0])
 
-    accumulate = accumulated_gradients(gradients, weight_fn, micro_batches)
+        def gradients(params, batch):
+            with activate(mesh, rules):
+                return jax.value_and_grad(loss, has_aux=True)(params, batch)
 
-    def step(state: TrainState, batch: dict[str, jax.Array]):
+        accumulate = accumulated_gradients(gradients, weight_fn, micro_batches)
         if micro_batches > 1:
             loss, metrics, grads = accumulate(state.params, batch)
         else:
@@ -201,7 +209,7 @@ def build_train_step(
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return _jit_step(step, shardings, batch_spec, NamedSharding(mesh, PartitionSpec()),
-                     keep_params)  # fmt: skip
+                     keep_params, frozen_shardings)  # fmt: skip
 
 
 def accumulated_gradients(gradients, weight_fn, micro_batches: int):
@@ -258,23 +266,27 @@ def accumulated_gradients(gradients, weight_fn, micro_batches: int):
     return accumulate
 
 
-def _jit_step(step, shardings: TrainState, batch_spec, replicated, keep_params: bool):
-    """`step` jitted with the state donated, or (`keep_params`) all of it but the parameters."""
+def _jit_step(step, shardings: TrainState, batch_spec, replicated, keep_params: bool,
+              frozen_shardings=None):  # fmt: skip
+    """`step` jitted with the state donated, or (`keep_params`) all of it but the parameters;
+    the frozen parameters, when given, never."""
+    frozen = () if frozen_shardings is None else (frozen_shardings,)
     if not keep_params:
         return jax.jit(
             step,
-            in_shardings=(shardings, batch_spec),
+            in_shardings=(shardings, batch_spec, *frozen),
             out_shardings=(shardings, replicated),
             donate_argnums=(0,),
         )
 
-    def split_step(params, rest, batch):
-        return step(TrainState(step=rest[0], params=params, opt_state=rest[1]), batch)
+    def split_step(params, rest, batch, *held):
+        return step(TrainState(step=rest[0], params=params, opt_state=rest[1]), batch, *held)
 
     kept = jax.jit(
         split_step,
-        in_shardings=(shardings.params, (shardings.step, shardings.opt_state), batch_spec),
+        in_shardings=(shardings.params, (shardings.step, shardings.opt_state), batch_spec, *frozen),
         out_shardings=(shardings, replicated),
         donate_argnums=(1,),
     )
-    return lambda state, batch: kept(state.params, (state.step, state.opt_state), batch)
+    return lambda state, batch, *held: kept(state.params, (state.step, state.opt_state), batch,
+                                            *held)  # fmt: skip

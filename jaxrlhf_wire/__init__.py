@@ -28,6 +28,10 @@ AUTH_HEADER = "authorization"
 # the policy version it runs on.
 ADMITTED_VERSION_HEADER = "x-jaxrlhf-policy-version"
 # How a server swaps weights under running requests (`--swap-mode`, GeneratorStatus.swap_mode)
-# and, in "in-flight" mode, what becomes of their KV cache (`--in-flight-kv`).
-SWAP_MODES = ("drain", "in-flight")
+# and, in "in-flight" mode, what becomes of their KV cache (`--in-flight-kv`). "lora": a server
+# started with `--max-lora-rank`, whose updates are LoRA adapters loaded with no pause.
+SWAP_MODES = ("drain", "in-flight", "lora")
 IN_FLIGHT_KV = ("keep", "recompute")
+# The largest adapter ranks a "lora" server can be started with (`--max-lora-rank`: vLLM
+# 0.32's LoRAConfig.max_lora_rank takes these alone); it serves adapters of any rank up to it.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -135,9 +135,11 @@ def _header(
     offset: int,
     slice_start: tuple[int, ...],
     slice_shape: tuple[int, ...],
+    lora: generator_pb2.LoraAdapter | None = None,
 ) -> generator_pb2.WeightChunk:
     """A chunk's every field but its data."""
     return generator_pb2.WeightChunk(
+        lora=lora,
         policy_version=policy_version,
         num_tensors=num_tensors,
         allow_rollback=allow_rollback,
@@ -162,6 +164,7 @@ def encode_weight_chunks(
     num_senders: int = 0,
     sender: int = 0,
     update_id: str = "",
+    lora: generator_pb2.LoraAdapter | None = None,
 ) -> Iterator[bytes]:
     """Named arrays as serialised `WeightChunk`s of at most `chunk_bytes` data each, for an
     UpdateWeights call whose request serializer is None
@@ -174,13 +177,15 @@ def encode_weight_chunks(
     it. A count that does not match what is sent is refused by the server. A zero-size tensor
     is sent as one empty chunk. `num_senders`/`sender`: this stream is one of several that
     carry the update (WeightChunk in the .proto). `update_id`: the update's identity, the same
-    over its streams and retries (WeightChunk.update_id).
+    over its streams and retries (WeightChunk.update_id). `lora`: the tensors are a LoRA
+    adapter with these settings, for a "lora" server (WeightChunk.lora).
 
     Each message is the protobuf encoding of the chunk without its data, followed by the data
     field (protobuf accepts fields in any order), so the tensor's bytes are copied only once.
     """
     for fields, piece in _iter_pieces(tensors, chunk_bytes, num_tensors):
-        header = _header(policy_version, allow_rollback, num_senders, sender, update_id, *fields)
+        header = _header(policy_version, allow_rollback, num_senders, sender, update_id, *fields,
+                         lora=lora)  # fmt: skip
         yield b"".join((header.SerializeToString(), DATA_TAG, _varint(len(piece)), piece))
 
 

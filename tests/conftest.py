@@ -37,7 +37,13 @@ import pytest  # noqa: E402
 # no engine. A test that starts its own generator (a `python -m jaxrlhf.main` run, a replica of
 # its own) takes `own_generator`.
 ENGINE_FIXTURES = frozenset(
-    {"generator_server", "start_generator_server", "own_generator", "in_flight_server"}
+    {
+        "generator_server",
+        "start_generator_server",
+        "own_generator",
+        "in_flight_server",
+        "lora_generator",
+    }
 )
 
 

@@ -79,3 +79,42 @@ def test_rlhf_with_the_whole_batch_in_one_step_does_not_fit(module):
     config.train.micro_batch_size = 0
     config.model.logprob_chunk = 0  # and the full [rows, T, vocab] logits too: ~3x over
     assert plan(config, 8, 80 * GIB)["per_device_bytes"]["total"] > 2 * 80 * GIB
+
+
+def test_a_lora_plan_holds_the_adapters_and_their_optimizer_alone():
+    """`model.lora.rank` > 0: the plan's parameters are the adapters' (rank x (in + out) for
+    each target of each layer, counted here from the model's shape), the optimizer state their
+    two moments, the frozen models the base once in the compute dtype (it is the reference
+    too); the train step takes the base as an argument. Every figure falls below full
+    fine-tuning's."""
+    from configs import tiny
+
+    full_config = tiny.get_config()
+    validate(resolve(full_config))
+    lora_config = tiny.get_config()
+    lora_config.model.lora.rank = 8
+    validate(resolve(lora_config))
+    full = plan(full_config, 1, 24 * GIB)["per_device_bytes"]
+    lora = plan(lora_config, 1, 24 * GIB)
+    sizes = lora["per_device_bytes"]
+    shape = lora_shape(full_config)
+    adapter = 8 * shape["layers"] * sum(shape["sides"].values())
+    assert sizes["parameters"] == adapter * 4  # float32 master weights
+    assert sizes["optimizer_state"] == pytest.approx(2 * adapter * 4, rel=0.01)
+    assert sizes["frozen_models"] == full["frozen_models"]  # the base, as the reference was
+    assert set(lora["programs"]) == {"train_step", "reference_logprobs"}
+    for key in ("parameters", "optimizer_state", "train_step_temporaries", "total"):
+        assert sizes[key] < full[key], key
+
+
+def lora_shape(config) -> dict:
+    """The policy's layers and, per LoRA target, in + out features (its known architecture)."""
+    from jaxrlhf.models.known import architecture_of
+
+    model = architecture_of(config.model.path, "lm")
+    heads, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    hidden, inter = model.hidden_size, model.intermediate_size
+    sides = {"q_proj": hidden + heads, "k_proj": hidden + kv, "v_proj": hidden + kv,
+             "o_proj": heads + hidden, "gate_proj": hidden + inter, "up_proj": hidden + inter,
+             "down_proj": inter + hidden}  # fmt: skip
+    return {"layers": model.num_layers, "sides": sides}

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2
 
 from generator_service.engine import GeneratorEngine
 from generator_service.status import SwapTimes
+from generator_service.updates.adapter import LoraSettings
 from generator_service.updates.tensors import PreloadTensor, WeightUpdateError
 from jaxrlhf_wire.stubs import SERVICE_NAME
 
@@ -61,10 +62,11 @@ class UpdateApplier:
         preload_id: int,
         update_id: str,
         received_seconds: float,
+        lora: LoraSettings | None = None,
     ) -> SwapTimes:
         """`Engine.swap_weights` of the update in `path` (preloaded as `preload_id`, 0: none),
-        which took `received_seconds` to arrive and be checked, named `update_id`; keeps the
-        swap's times (module docstring)."""
+        which took `received_seconds` to arrive and be checked, named `update_id` (an adapter
+        with settings `lora`, in "lora" mode); keeps the swap's times (module docstring)."""
         swap = await self.engine.swap_weights(
             path,
             tensors,
@@ -72,6 +74,7 @@ class UpdateApplier:
             allow_rollback,
             preload_id=preload_id,
             update_id=update_id,
+            lora=lora,
         )
         self.last_swap = dataclasses.replace(
             swap, preload_seconds=received_seconds + swap.preload_seconds

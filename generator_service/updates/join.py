@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from generator_service.updates.adapter import LoraSettings
 from generator_service.updates.tensors import WeightUpdateError
 
 logger = logging.getLogger(__name__)
@@ -53,17 +54,20 @@ class UpdateKey:
     allow_rollback: bool
     num_senders: int
     update_id: str  # the learner's name for the update (GeneratorStatus.update_id)
+    lora: LoraSettings | None = None  # set: the update is an adapter (WeightChunk.lora)
 
     @classmethod
     def of(cls, header) -> UpdateKey:
+        lora = LoraSettings.of(header.lora) if header.HasField("lora") else None
         return cls(header.policy_version, header.num_tensors, header.allow_rollback,
-                   max(1, header.num_senders), header.update_id)  # fmt: skip
+                   max(1, header.num_senders), header.update_id, lora)  # fmt: skip
 
     def describe(self) -> str:
         return (
             f"policy_version {self.policy_version}, num_tensors {self.num_tensors}, "
             f"allow_rollback {self.allow_rollback}, num_senders {self.num_senders}, "
-            f"update_id {self.update_id!r}"
+            f"update_id {self.update_id!r}, "
+            + (f"adapter ({self.lora.describe()})" if self.lora else "full weights")
         )
 
 

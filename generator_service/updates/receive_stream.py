@@ -11,6 +11,9 @@ answer for every sender.
   any stream refuses the update; each sender is answered with that refusal, at its next chunk
   or at once when it waits.
 - The last stream to end swaps the update in (apply.py); every sender gets its answer.
+- An adapter (WeightChunk.lora, "lora" mode) is checked against the tensors its settings call
+  for (updates/adapter.py) and swapped in as an adapter (updates/adapters.py); an update of the
+  other kind than the server takes is refused before any byte is received.
 - A sender's call cancelled after the swap's pause began: the swap ran to its end, the update
   is live and the other senders are told so (this call's timings are lost with it). Cancelled
   earlier (while sending, or waiting for the others or for the swap): the update is refused,
@@ -145,7 +148,7 @@ class StreamedUpdates:
         """Under the update lock, before any byte is received: the assembler and the update
         file of `update`, and its preload."""
         update.started = time.monotonic()
-        specs = self._engine.weight_specs
+        specs = self._engine.update_specs(update.key.lora)  # an adapter's, in "lora" mode
         update.assembler = WeightAssembler(specs, self._engine.policy_version)
         if self._update_file is None:
             self._update_file = UpdateFile(self._engine.update_dir)
@@ -196,7 +199,7 @@ class StreamedUpdates:
             update.feeder = None  # (after the drop: if it is cancelled, `_release` drops it)
         swap = await self._applier.apply(
             update_file.path, tensors, assembler.policy_version, assembler.allow_rollback,
-            preload_id, update.key.update_id, received_seconds,
+            preload_id, update.key.update_id, received_seconds, lora=update.key.lora,
         )  # fmt: skip
         seconds = time.monotonic() - update.started
         logger.info(

@@ -12,9 +12,10 @@ import ml_collections
 from jaxrlhf.config.keys import DTYPES, STAGES
 from jaxrlhf.data import task_registry
 from jaxrlhf.data.lengths import parse_length_law
-from jaxrlhf.losses import LOSSES
+from jaxrlhf.losses import LOSSES, get_loss_spec
+from jaxrlhf.models.lora import TARGETS as LORA_TARGETS
 from jaxrlhf.train_state import micro_batch_count
-from jaxrlhf_wire import IN_FLIGHT_KV, SWAP_MODES
+from jaxrlhf_wire import IN_FLIGHT_KV, LORA_RANKS, SWAP_MODES
 from jaxrlhf_wire.chunks import MAX_CHUNK_BYTES
 
 
@@ -96,11 +97,35 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
         config.model.contraction_block >= 0,
         f"config.model.contraction_block={config.model.contraction_block}: must be >= 0",
     )
+    _check_lora(config)
     shape = tuple(config.mesh.shape)
     _require(
         len(shape) == 3 and all(s == -1 or s >= 1 for s in shape) and shape.count(-1) <= 1,
         f"config.mesh.shape={shape}: three sizes (data, fsdp, tensor), each >= 1 or one -1",
     )
+
+
+def _check_lora(config: ml_collections.ConfigDict) -> None:
+    """config.model.lora: its rank, alpha and targets, and the stage and loss it is for."""
+    lora = config.model.lora
+    rank = lora.rank
+    _require(isinstance(rank, int) and rank >= 0,
+             f"config.model.lora.rank={rank!r}: must be an integer >= 0 (0 = off)")  # fmt: skip
+    if not lora.rank:
+        return
+    _require(lora.alpha >= 0, f"config.model.lora.alpha={lora.alpha}: must be >= 0 (0 = 2 x rank)")
+    unknown = [t for t in lora.targets if t not in LORA_TARGETS]
+    _require(bool(lora.targets) and not unknown,
+             f"config.model.lora.targets={tuple(lora.targets)}: name one or more of "
+             f"{', '.join(LORA_TARGETS)}")  # fmt: skip
+    _require(
+        config.stage == "rlhf",
+        f"config.model.lora.rank={lora.rank}: LoRA is for the rlhf stage, not {config.stage}",
+    )
+    _require(not get_loss_spec(config.loss).needs_value_model,
+             f"config.model.lora.rank={lora.rank} with loss {config.loss!r}: a loss with a value "
+             "model trains it whole; LoRA runs take online_dpo, rloo, grpo and the others "
+             "without one")  # fmt: skip
 
 
 def _check_generator(config: ml_collections.ConfigDict) -> None:
@@ -111,11 +136,12 @@ def _check_generator(config: ml_collections.ConfigDict) -> None:
     running = config.rollout.max_running
     _require(running >= 0, f"config.rollout.max_running={running}: must be >= 0 (0 = no limit)")
     _require(
-        not running or config.generator.swap_mode == "drain",
-        f'config.rollout.max_running={running} needs config.generator.swap_mode="drain" '
-        f"(got {config.generator.swap_mode!r}): under in-flight swaps a sample submitted "
-        "late in its call would run on newer weights than its call was admitted under",
+        not running or config.generator.swap_mode in ("drain", "lora"),
+        f'config.rollout.max_running={running} needs config.generator.swap_mode="drain" or '
+        f'"lora" (got {config.generator.swap_mode!r}): under in-flight swaps a sample '
+        "submitted late in its call would run on newer weights than its call was admitted under",
     )
+    _check_lora_serving(config)
     reserved = config.generator.cpu_reserved_cores
     _require(
         reserved >= -1,
@@ -143,6 +169,24 @@ def _check_generator(config: ml_collections.ConfigDict) -> None:
             config.generator[key] in allowed,
             f"config.generator.{key}={config.generator[key]!r}: must be one of {allowed}",
         )
+
+
+def _check_lora_serving(config: ml_collections.ConfigDict) -> None:
+    """generator.swap_mode "lora" (adapters published alone): a LoRA run, of a rank a server
+    can be started with, streamed."""
+    if config.generator.swap_mode != "lora":
+        return
+    rank = config.model.lora.rank
+    _require(
+        isinstance(rank, int) and 0 < rank <= max(LORA_RANKS),
+        f'config.generator.swap_mode="lora" serves LoRA adapters: it needs '
+        f"config.model.lora.rank in 1..{max(LORA_RANKS)} (got {rank!r})",
+    )
+    _require(
+        config.generator.weight_transport != "shared",
+        'config.generator.swap_mode="lora" streams its adapters (a few MB): '
+        'config.generator.weight_transport="shared" does not carry them; use "auto" or "stream"',
+    )
 
 
 def _check_train(config: ml_collections.ConfigDict) -> None:

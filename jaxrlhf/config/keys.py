@@ -71,6 +71,9 @@ def model_keys() -> dict:
     # computed that many positions at a time (no [rows, T, vocab] float32 logits at once).
     # architecture: a hub name or folder whose config.json gives the shapes when `path` is not
     # there yet (a recipe stage's output dir before that stage ran; `jaxrlhf.plan`).
+    # lora: the RLHF stage trains LoRA adapters of `rank` on the `targets` linear layers of a
+    # Llama-family policy, the base frozen (`jaxrlhf.models.lora`; docs/lora.md). rank 0 = full
+    # fine-tuning; alpha 0 = 2 x rank (the adapter's scale is alpha / rank).
     return dict(
         path="smollm2",
         architecture="",
@@ -79,6 +82,11 @@ def model_keys() -> dict:
         remat=False,
         contraction_block=0,
         logprob_chunk=0,
+        lora=dict(
+            rank=0,
+            alpha=0.0,
+            targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        ),
     )
 
 

@@ -87,7 +87,7 @@ class SharedServices:
         setting = swap_setting(gen)
         if setting in self.given:
             return self.given[setting]
-        model, options = resolve_model(config.model.path), engine_args(gen)
+        model, options = resolve_model(config.model.path), engine_args(gen, config.model.lora.rank)
         key = (str(model), tuple(options))
         server = self.started.get(key)
         if server is None or server.process.poll() is not None:  # first use, or it died

@@ -94,6 +94,7 @@ class WeightDelivery:
         specs: Sequence[tuple[str, tuple[int, ...], Any]] | None = None,
         rejoining_only: bool = False,
         transport: WeightTransport | None = None,
+        lora=None,
     ) -> PublishStats:
         """Sends `policy_version` to every live and rejoining replica (only the rejoining ones
         with `rejoining_only`); returns once each has swapped or was marked failed.
@@ -103,7 +104,9 @@ class WeightDelivery:
         file. `allow_rollback`: replicas accept a version not newer than theirs (resuming); a
         rejoining replica always does, and always gets the update, whatever version it reports
         (it takes the current weights whatever it served: module docstring).
-        `transport`: this publish's, instead of the pool's (`sender_transport`).
+        `transport`: this publish's, instead of the pool's (`sender_transport`). `lora` (a
+        `generator_pb2.LoraAdapter`): the tensors are a LoRA adapter for "lora" servers, always
+        streamed (a few MB; the shared file does not carry adapters).
         Raises GeneratorError when no replica took it and none can come back (module
         docstring), or one refused it as malformed."""
         started = time.perf_counter()
@@ -121,10 +124,13 @@ class WeightDelivery:
         rejoining = any(r.state == REJOINING for r in targets)
         # A rejoining replica takes the current weights whatever it served, a newer version
         # too (a killed run's); a live one serves this run's versions, none newer than this.
-        update = WeightUpdate(policy_version, num_tensors, allow_rollback or rejoining)
+        update = WeightUpdate(policy_version, num_tensors, allow_rollback or rejoining,
+                              lora=lora)  # fmt: skip
         pending = [r for r in targets if r not in already]
         delivery = _Delivery(swapped=[r.target for r in already])
         if pending:
+            if transport is None and lora is not None:
+                transport = StreamTransport(self.settings.chunk_bytes)
             self._deliver(pending, transport or self._transport_for(specs), tensor_stream,
                           update, delivery)  # fmt: skip
         if targets and not delivery.swapped and not rejoining_only:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxrlhf_wire import READY_LINE  # printed by generator_service.server once serving
+from jaxrlhf_wire import LORA_RANKS, READY_LINE  # READY_LINE: printed once serving
 
 # The server reads this inherited pipe; it ends (EOF) when this process dies, however it dies,
 # and the server then stops (no orphan servers). Unlike PR_SET_PDEATHSIG, which fires when the
@@ -77,13 +77,19 @@ class ServerProcess:
             raise
 
 
-def engine_args(gen) -> list[str]:
+def engine_args(gen, lora_rank: int = 0) -> list[str]:
     """`python -m generator_service` options from a config's `generator` section, for a
-    generator a run or an experiment starts itself."""
+    generator a run or an experiment starts itself. Swap mode "lora" (a LoRA run of
+    `lora_rank`): `--max-lora-rank`, the smallest a server takes (`LORA_RANKS`) that holds it."""
+    if gen.swap_mode == "lora":
+        served = min(r for r in LORA_RANKS if r >= lora_rank)
+        swaps = ["--max-lora-rank", str(served), "--no-preload"]
+    else:
+        swaps = ["--swap-mode", gen.swap_mode, "--in-flight-kv", gen.in_flight_kv,
+                 "--preload" if gen.preload else "--no-preload"]  # fmt: skip
     return [
         "--dtype", gen.dtype, "--max-model-len", str(gen.max_model_len),
-        "--seed", str(gen.seed), "--swap-mode", gen.swap_mode, "--in-flight-kv", gen.in_flight_kv,
-        "--preload" if gen.preload else "--no-preload",
+        "--seed", str(gen.seed), *swaps,
         *(["--max-num-seqs", str(gen.max_num_seqs)] if gen.max_num_seqs else []),
         *(["--cpu-reserved-cores", str(gen.cpu_reserved_cores)]
           if gen.cpu_reserved_cores >= 0 else []),

@@ -121,7 +121,8 @@ SFT_FIXED: dict[str, Any] = {
 # The sections of the config the SFT stage reads, and their keys it does not read (left at
 # `base_config()`'s defaults: they change no byte of a build).
 SFT_SECTIONS = ("mesh", "model", "task", "train", "checkpoint")
-SFT_UNREAD = ("model.path", "model.architecture", "task.preference_source", "task.reward_model",
+SFT_UNREAD = ("model.path", "model.architecture", "model.lora", "task.preference_source",
+              "task.reward_model",
               "task.reward_model_architecture", "train.updates_per_batch",
               "train.log_samples_returned")  # fmt: skip
 

@@ -227,3 +227,19 @@ def _delta(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     ins, outs = a.shape[1:-1], b.shape[2:]
     flat = np.matmul(a.reshape(layers, -1, rank), b.reshape(layers, rank, -1))
     return flat.reshape(layers, *ins, *outs)
+
+
+def merged_on_device(config, adapter: dict, base: dict) -> dict:
+    """`merged` in jax (jit-able, each array where its inputs are): the base params with each
+    adapter folded into its kernel, W + (alpha / r) A B summed in float32."""
+    flat, factors = dict(mapping.flatten(base)), mapping.flatten(adapter)
+    for target in config.lora_targets:
+        flax, _, _ = MODULES[target]
+        a = factors[f"{flax}/lora_a"].astype(jax.numpy.float32)
+        b = factors[f"{flax}/lora_b"].astype(jax.numpy.float32)
+        kernel = flat[f"{flax}/kernel"]
+        layers, rank = a.shape[0], a.shape[-1]
+        delta = jax.numpy.matmul(a.reshape(layers, -1, rank), b.reshape(layers, rank, -1))
+        total = kernel.astype(jax.numpy.float32) + config.lora_scale * delta.reshape(kernel.shape)
+        flat[f"{flax}/kernel"] = total.astype(kernel.dtype)
+    return mapping.unflatten(flat)

@@ -10,6 +10,7 @@ loop around it (`jaxrlhf.rl.trainer`) owns generation, versions, publishing and 
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,9 @@ from jaxrlhf.distributed import shard_global, to_host
 from jaxrlhf.fleet.sample import Sample
 from jaxrlhf.losses import LossInputs
 from jaxrlhf.models import load_pretrained, next_token_logprobs
+from jaxrlhf.models import lora as lora_lib
 from jaxrlhf.rl.batch import RolloutArrays, prompt_width, rollout_arrays
+from jaxrlhf.rl.eval_cache import folder_digest
 from jaxrlhf.rl.objectives import build_objective, value_estimates
 from jaxrlhf.rl.rewards import apply_eos_penalty
 from jaxrlhf.rl.rollout import Rollout
@@ -53,24 +56,7 @@ class Learner:
         self.temperature = cfg.rollout.temperature
         self.spec = losses.get_loss_spec(cfg.loss)
         self.loss_params = cfg.loss_params
-        self.policy, policy_params = load_pretrained(
-            model_path, mesh=mesh, **model_options(cfg.model)
-        )
-        params = {"policy": policy_params}
-        shardings = {"policy": params_shardings(self.policy, mesh)}
-        self.value = None
-        if self.spec.needs_value_model:
-            value_path = cfg.loss_params.value_model_path or model_path
-            self.value, params["value"] = load_pretrained(
-                value_path, head="score", mesh=mesh, seed=cfg.seed, **model_options(cfg.model)
-            )
-            shardings["value"] = params_shardings(self.value, mesh)
-        self.ref_params = None
-        if self.spec.needs_reference(cfg.loss_params):
-            # The reference is the initial policy: a frozen copy on the mesh, in the compute
-            # dtype (it is never updated, so it needs no master weights).
-            compute = jnp.dtype(cfg.model.dtype)
-            self.ref_params = jax.tree.map(lambda p: p.astype(compute, copy=True), policy_params)
+        params, shardings = self._load_models(cfg, model_path, mesh)
         # The learner's own log-probs of the sampled tokens, before the update: π_old of the
         # ratio when old_logprobs="learner" (the off-policy corrections need it too: the config
         # refuses one without it). Otherwise π_old is the sampler's, and this forward is skipped.
@@ -80,6 +66,10 @@ class Learner:
             optax.adamw(cfg.train.learning_rate, weight_decay=cfg.train.weight_decay),
         )
         self.shardings = state_shardings(shardings, optimizer, params, mesh)
+        if self.frozen is not None:
+            self.frozen_shardings = {"policy": params_shardings(self.base_policy, mesh)}
+            self._merge = jax.jit(functools.partial(lora_lib.merged_on_device,
+                                                    self.policy.config))  # fmt: skip
         self.state = create_train_state(params, optimizer, self.shardings)
         self.loss_params = cfg.loss_params
         self.objective = build_objective(
@@ -90,20 +80,9 @@ class Learner:
         # Whether a train step leaves the parameters it read valid (not donated): a publish
         # in the background then sends them as they are, with no copy (rl/publisher.py).
         self.keep_params = False
-        policy, temperature = self.policy, self.temperature
-
-        def logprobs(params, input_ids, attention_mask):
-            with activate(mesh):
-                return next_token_logprobs(policy, params, input_ids, attention_mask, temperature)
-
         self.micro_batch_size = cfg.train.micro_batch_size
         self.updates_per_batch = cfg.train.updates_per_batch
-        self.logprobs = jax.jit(forward_in_micro_batches(logprobs, self.micro_batch_size))
-        self.values = None
-        if self.value is not None:
-            self.values = jax.jit(
-                forward_in_micro_batches(value_estimates(self.value), self.micro_batch_size)
-            )
+        self._build_forwards(mesh)
         self.reward = None if reward_model is None else reward_model(mesh)
         if self.reward is not None:
             if self.reward.model.config.vocab_size != self.policy.config.vocab_size:
@@ -120,6 +99,92 @@ class Learner:
         self.response_len = cfg.rollout.max_response_tokens
         penalty = cfg.loss_params.penalty_reward_value
         self.eos_penalty = penalty if cfg.loss_params.missing_eos_penalty else None
+
+    def _load_models(self, cfg, model_path: Path, mesh) -> tuple[dict, dict]:
+        """The policy (a LoRA run's: its adapters and the frozen base), the value model and the
+        reference; (the trained params, their shardings)."""
+        self.policy, policy_params = load_pretrained(
+            model_path, mesh=mesh, **model_options(cfg.model)
+        )
+        # The model whose weights a publish sends and the export writes (`published`).
+        self.base_policy = self.policy
+        self.model_path = Path(model_path)
+        # A LoRA run trains the adapters alone: they are the state's "policy"; the base is
+        # read by every policy forward and never trained, donated or copied.
+        self.frozen = None
+        # Generators in "lora" mode take the adapter alone (`rl/publisher.publish_adapter`);
+        # any other gets the merged weights.
+        self.sends_adapter = bool(cfg.model.lora.rank) and cfg.generator.swap_mode == "lora"
+        if cfg.model.lora.rank:
+            # Never trained: held in the compute dtype, as a reference is (no master weights).
+            compute = jnp.dtype(cfg.model.dtype)
+            base_params = jax.tree.map(lambda p: p.astype(compute), policy_params)
+            self.policy, policy_params = lora_policy(self.policy, cfg.model.lora, cfg.seed, mesh)
+            self.frozen = {"policy": base_params}
+        params = {"policy": policy_params}
+        shardings = {"policy": params_shardings(self.policy, mesh)}
+        if self.frozen is not None:
+            shardings["policy"] = lora_lib.split(shardings["policy"])[0]
+        self.value = None
+        if self.spec.needs_value_model:
+            value_path = cfg.loss_params.value_model_path or model_path
+            self.value, params["value"] = load_pretrained(
+                value_path, head="score", mesh=mesh, seed=cfg.seed, **model_options(cfg.model)
+            )
+            shardings["value"] = params_shardings(self.value, mesh)
+        self.ref_params = None
+        if self.spec.needs_reference(cfg.loss_params) and self.frozen is not None:
+            # A LoRA run's reference is its base, adapters off: no second copy.
+            self.ref_params = self.frozen["policy"]
+        elif self.spec.needs_reference(cfg.loss_params):
+            # The reference is the initial policy: a frozen copy on the mesh, in the compute
+            # dtype (it is never updated, so it needs no master weights).
+            compute = jnp.dtype(cfg.model.dtype)
+            self.ref_params = jax.tree.map(lambda p: p.astype(compute, copy=True), policy_params)
+        return params, shardings
+
+    def _build_forwards(self, mesh) -> None:
+        """The jitted forwards: log π of the policy (`policy_params`) and of the reference
+        (`ref_params`: a LoRA run's base, through the base model), and the value estimates."""
+        temperature = self.temperature
+
+        def logprobs_of(model):
+            def logprobs(params, input_ids, attention_mask):
+                with activate(mesh):
+                    return next_token_logprobs(model, params, input_ids, attention_mask,
+                                               temperature)  # fmt: skip
+
+            return jax.jit(forward_in_micro_batches(logprobs, self.micro_batch_size))
+
+        self.logprobs = logprobs_of(self.policy)
+        self.ref_logprobs = self.logprobs if self.frozen is None else logprobs_of(self.base_policy)
+        self.values = None
+        if self.value is not None:
+            self.values = jax.jit(
+                forward_in_micro_batches(value_estimates(self.value), self.micro_batch_size)
+            )
+
+    def policy_params(self, params=None):
+        """The policy's whole parameters (a LoRA run's adapters with its base) from the
+        state's, or from `params` (the state's "policy" entry, or a copy of it)."""
+        params = self.state.params["policy"] if params is None else params
+        return params if self.frozen is None else lora_lib.merge(params, self.frozen["policy"])
+
+    def published(self, params=None):
+        """The parameters a publish sends and the export writes, of `base_policy`'s layout:
+        the policy's own, or a LoRA run's merged (each adapter folded into its kernel)."""
+        params = self.state.params["policy"] if params is None else params
+        if self.frozen is None:
+            return params
+        return self._merge(params, self.frozen["policy"])
+
+    @functools.cached_property
+    def lora_base(self) -> dict[str, str] | None:
+        """What a LoRA run's adapters apply to: its base's folder and `folder_digest` (every
+        file's bytes), kept in its checkpoints; None when the whole policy trains."""
+        if self.frozen is None:
+            return None
+        return {"path": str(self.model_path), "digest": folder_digest(self.model_path)}
 
     def prompt_width(self, rollout: Rollout) -> int:
         """The prompt columns of this batch's arrays (see config rollout.prompt_pad_multiple)."""
@@ -154,7 +219,7 @@ class Learner:
         ids, attention = shard_global(
             {"i": arrays.input_ids, "m": arrays.attention_mask}, self.mesh
         ).values()
-        policy = self.state.params["policy"]
+        policy = self.policy_params()
         learner_lp = None
         if self.recompute_old:
             learner_lp = to_host(self.logprobs(policy, ids, attention)) * mask
@@ -182,13 +247,13 @@ class Learner:
         the loss reads (`LossSpec.reference_rows`; NaN elsewhere)."""
         mask = arrays.loss_mask
         if self.spec.reference_rows is None:
-            return to_host(self.logprobs(self.ref_params, ids, attention)) * mask
+            return to_host(self.ref_logprobs(self.ref_params, ids, attention)) * mask
         rows = self.spec.reference_rows(scores, self.samples_per_prompt)
         subset = shard_global(
             {"i": arrays.input_ids[rows], "m": arrays.attention_mask[rows]}, self.mesh
         )
         out = np.full(mask.shape, np.nan, np.float32)
-        out[rows] = to_host(self.logprobs(self.ref_params, subset["i"], subset["m"]))
+        out[rows] = to_host(self.ref_logprobs(self.ref_params, subset["i"], subset["m"]))
         out[rows] *= mask[rows]
         return out
 
@@ -203,7 +268,7 @@ class Learner:
         ids, attention = shard_global(
             {"i": arrays.input_ids, "m": arrays.attention_mask}, self.mesh
         ).values()
-        ref = to_host(self.logprobs(self.ref_params, ids, attention))
+        ref = to_host(self.ref_logprobs(self.ref_params, ids, attention))
         per_sample = ((arrays.sampler_logprobs - ref) * arrays.loss_mask).sum(axis=-1)
         return float(per_sample.mean())
 
@@ -255,14 +320,20 @@ class Learner:
         shapes = tuple(sorted((k, v.shape) for k, v in batch.items()))
         if shapes not in self._steps:
             items = next(iter(batch.values())).shape[0]
+            loss_fn, frozen = self.objective.loss_fn, None
+            if self.frozen is not None:
+                loss_fn, frozen = with_frozen(loss_fn), self.frozen_shardings
             self._steps[shapes] = build_train_step(
-                self.objective.loss_fn, self._optimizer, self.mesh, self.shardings, dict(shapes),
+                loss_fn, self._optimizer, self.mesh, self.shardings, dict(shapes),
                 micro_batches=micro_batch_count(
                     items, self.micro_batch_size, self.spec.sequences_per_item
                 ),
                 weight_fn=self.spec.batch_weight, keep_params=self.keep_params,
+                frozen_shardings=frozen,
             )  # fmt: skip
-        self.state, metrics = self._steps[shapes](self.state, shard_global(batch, self.mesh))
+        held = () if self.frozen is None else (self.frozen,)
+        self.state, metrics = self._steps[shapes](self.state, shard_global(batch, self.mesh),
+                                                  *held)  # fmt: skip
         return {k: float(to_host(v)) for k, v in metrics.items()}
 
 
@@ -281,3 +352,24 @@ def behaviour_metrics(inputs: LossInputs, learner_logprobs: np.ndarray | None) -
         real = inputs.loss_mask > 0
         out["logprob_gap"] = float(np.abs(inputs.sampler_logprobs - learner_logprobs)[real].mean())
     return out
+
+
+def lora_policy(base, lora_cfg, seed: int, mesh):
+    """(the LoRA policy on `base`, its new adapter placed on `mesh`) from `config.model.lora`
+    (alpha 0 = 2 x rank); the adapter starts as PEFT's (`lora.init_adapter`), from `seed`."""
+    alpha = lora_cfg.alpha or 2.0 * lora_cfg.rank
+    policy = lora_lib.with_lora(base, lora_cfg.rank, alpha, tuple(lora_cfg.targets))
+    shardings = lora_lib.split(params_shardings(policy, mesh))[0]
+    adapter = jax.device_put(lora_lib.init_adapter(policy, seed), shardings)
+    return policy, adapter
+
+
+def with_frozen(loss_fn):
+    """`loss_fn(params, batch)` of a LoRA run as the train step takes it, `(params, batch,
+    frozen)`: the state's "policy" (the adapters) merged with the frozen base before the loss."""
+
+    def loss(params, batch, frozen):
+        whole = {**params, "policy": lora_lib.merge(params["policy"], frozen["policy"])}
+        return loss_fn(whole, batch)
+
+    return loss

@@ -23,7 +23,8 @@ step (in the background: the one an earlier update started, when the learner nex
 done), and `publish_blocked_s`, the seconds the learner waited on publishing (the cast, and
 a publish still running when it needed it done). Without the background, both are the
 publish's seconds. `generator_pause_s`: for the publishes of `weight_sync_s`, the time the
-generators held generation back to swap (the longest replica's, summed over publishes).
+generators held generation back to swap (the longest replica's, summed over publishes);
+`weight_sync_bytes`: the bytes those publishes sent (one replica's update, summed over them).
 
 Over several processes a publish stays in the learner's step (it announces each attempt to
 the others with a collective). Every process sends the slices its own devices hold: as one of
@@ -42,11 +43,13 @@ from typing import Any
 
 import jax
 
-from jaxrlhf.distributed import broadcast, driven_plans, driven_streams
+from jaxrlhf.distributed import broadcast, driven_plans, driven_streams, to_host
 from jaxrlhf.fleet.pool import GeneratorPool
 from jaxrlhf.fleet.transport import PublishStats, WeightTransport
 from jaxrlhf.fleet.transport.senders import FollowerSenders
 from jaxrlhf.models import hf_tensor_specs, iter_hf_slices, iter_hf_tensors, slice_plan
+from jaxrlhf.models import lora as lora_lib
+from jaxrlhf.models.safetensors_io import numpy_dtype
 from jaxrlhf.rl.learner import Learner
 
 REJOIN_POLL_SECONDS = 1.0
@@ -89,14 +92,42 @@ def publish(
     when the pool streams (`publish_sliced`); else every process gathers its tensors (one at a
     time) and the driver sends them (`distributed.driven_streams`). Returns the driver's
     PublishStats."""
-    policy_params = learner.state.params["policy"] if params is None else params
-    specs = hf_tensor_specs(learner.policy, policy_params, dtype)
+    if learner.sends_adapter:
+        return publish_adapter(learner, pool, version, dtype, rollback, rejoining_only, params)
+    # The policy's weights in the served layout: a LoRA run's adapters merged into its base.
+    model, policy_params = learner.base_policy, learner.published(params)
+    specs = hf_tensor_specs(model, policy_params, dtype)
     job = PublishJob(pool, version, specs, rollback=rollback, rejoining_only=rejoining_only)
     if jax.process_count() > 1:
-        plan = slice_plan(learner.policy, policy_params)
+        plan = slice_plan(model, policy_params)
         if not plan.gathered:  # the same on every process
-            return publish_sliced(learner.policy, policy_params, dtype, plan, job)
-    return driven_streams(lambda: iter_hf_tensors(learner.policy, policy_params, dtype), job.send)
+            return publish_sliced(model, policy_params, dtype, plan, job)
+    return driven_streams(lambda: iter_hf_tensors(model, policy_params, dtype), job.send)
+
+
+def publish_adapter(learner: Learner, pool, version: int, dtype: str | None, rollback=False,
+                    rejoining_only: bool = False, params=None):  # fmt: skip
+    """Publishes a LoRA run's adapter alone (`params`, by default the learner's) as `version`,
+    to generators in "lora" mode (`generator.swap_mode`), which load it beside the base with no
+    pause. Its tensors are PEFT's (A [rank, in], B [out, rank]; `lora.adapter_tensors`), a few
+    MB: over several processes every process gathers each factor whole (`to_host`, in step),
+    then the driver streams them."""
+    from jaxrlhf.fleet.rpc import generator_pb2
+
+    adapter = learner.state.params["policy"] if params is None else params
+    config = learner.policy.config
+    host = jax.tree.map(to_host, adapter)
+    tensors = lora_lib.adapter_tensors(config, host, numpy_dtype(dtype) if dtype else None)
+    header = generator_pb2.LoraAdapter(rank=config.lora_rank, alpha=config.lora_alpha,
+                                       target_modules=list(config.lora_targets))  # fmt: skip
+
+    def send(stream):
+        return pool.publish_weights(
+            stream, len(tensors), version, allow_rollback=rollback,
+            rejoining_only=rejoining_only, lora=header,
+        )  # fmt: skip
+
+    return driven_streams(lambda: iter(tensors.items()), send)
 
 
 _FOLLOWER = FollowerSenders()  # a process other than the driver: its clients, kept
@@ -130,8 +161,6 @@ def publish_due(updates: int, cfg) -> bool:
 def device_copy(params, dtype: str | None, copy: bool = True):
     """`params` on their devices, cast to `dtype` (None: as they are); each array that is not
     cast is copied, unless `copy` is false (then it is the array itself)."""
-    from jaxrlhf.models.safetensors_io import numpy_dtype
-
     target = numpy_dtype(dtype) if dtype else None
 
     def one(array):
@@ -161,6 +190,7 @@ class Publisher:
     _sync_s: float = 0.0  # seconds of the publishes finished since the last take_times
     _blocked_s: float = 0.0  # seconds the learner waited on publishing since then
     _pause_s: float = 0.0  # the generators' pauses for those publishes (the longest each)
+    _bytes: int = 0  # the bytes those publishes sent (one replica's update each)
 
     def send(self, rollback: bool = False, rejoining_only: bool = False):
         """Publishes the learner's weights as its `version` now (module docstring)."""
@@ -194,18 +224,19 @@ class Publisher:
 
     def _publish(self, params, version: int, producer, started: float):
         """Sends `params` (None: the learner's) as `version`; returns (its seconds, the
-        generators' longest pause)."""
+        generators' longest pause, the bytes of the update)."""
         stats = publish(self.learner, self.pool, version, self.dtype, params=params)
         if producer is not None:
             producer.weights_served(version)
         self.served = version
         if stats is None:  # another process's, or a test's
-            return time.perf_counter() - started, 0.0
-        return stats.seconds, stats.pause_seconds
+            return time.perf_counter() - started, 0.0, 0
+        return stats.seconds, stats.pause_seconds, stats.num_bytes
 
-    def _add(self, times: tuple[float, float]) -> None:
+    def _add(self, times: tuple[float, float, int]) -> None:
         self._sync_s += times[0]
         self._pause_s += times[1]
+        self._bytes += times[2]
 
     def finish(self) -> None:
         """Waits for the publish in flight, if any (re-raising its error)."""
@@ -219,11 +250,12 @@ class Publisher:
             self._blocked_s += time.perf_counter() - started
 
     def take_times(self) -> dict[str, float]:
-        """weight_sync_s, publish_blocked_s and generator_pause_s since the last call (module
-        docstring)."""
+        """weight_sync_s, publish_blocked_s, generator_pause_s and weight_sync_bytes since the
+        last call (module docstring)."""
         times = {"weight_sync_s": self._sync_s, "publish_blocked_s": self._blocked_s,
-                 "generator_pause_s": self._pause_s}  # fmt: skip
+                 "generator_pause_s": self._pause_s, "weight_sync_bytes": self._bytes}  # fmt: skip
         self._sync_s = self._blocked_s = self._pause_s = 0.0
+        self._bytes = 0
         return times
 
     def close(self) -> None:

@@ -33,8 +33,9 @@ import numpy as np
 
 from jaxrlhf.checkpointing import Checkpointer
 from jaxrlhf.data.lengths import parse_length_law
-from jaxrlhf.distributed import broadcast, is_driver
+from jaxrlhf.distributed import broadcast, is_driver, to_host
 from jaxrlhf.fleet.pool import GeneratorPool
+from jaxrlhf.models import lora as lora_lib
 from jaxrlhf.models import save_pretrained
 from jaxrlhf.rl.continuous import ContinuousProducer
 from jaxrlhf.rl.evaluator import Evaluator
@@ -135,6 +136,7 @@ def begin(cfg, learner: Learner, pool, model_path: Path, checkpointer, log) -> R
         )
     serving, same_start = broadcast((serving, same_start))
     if cfg.resume and checkpointer.latest_step() is not None:
+        check_lora_base(checkpointer.meta(), learner)
         learner.state, meta = checkpointer.restore(None, learner.state)
         version = meta["policy_version"]
         served = meta.get("served_version", meta.get("published_version", version))
@@ -220,6 +222,26 @@ def checkpoint_batches(publisher: Publisher, producer) -> list[Rollout]:
     return publisher.wait(poll)
 
 
+def check_lora_base(meta: dict, learner: Learner) -> None:
+    """Refuses, before restoring, a checkpoint whose state this run's learner cannot take:
+    a LoRA run's adapters resumed on another base (its files' digest differs), or adapters
+    resumed as the whole policy and the converse."""
+    saved, now = meta.get("lora_base"), learner.lora_base
+    if (saved is None) != (now is None):
+        trained = "LoRA adapters" if saved is not None else "the whole policy"
+        raise ValueError(
+            f"the checkpoint trained {trained} and this run trains "
+            f"{'LoRA adapters' if now is not None else 'the whole policy'}: resume with the "
+            f"checkpoint's model.lora.rank, or start afresh in a new output_dir"
+        )
+    if saved is not None and saved["digest"] != now["digest"]:
+        raise ValueError(
+            f"the checkpoint's LoRA adapters were trained on the base {saved['path']} (digest "
+            f"{saved['digest'][:12]}), and this run's base {now['path']} differs (digest "
+            f"{now['digest'][:12]}): resume with that base, or start afresh"
+        )
+
+
 def save_checkpoint(checkpointer, step: int, cfg, publisher: Publisher, producer, at_start):
     """The learner's state, with what a resumed run needs besides: the versions, the
     evaluations before training, and the batches generated on weights the checkpoint does not
@@ -235,6 +257,8 @@ def save_checkpoint(checkpointer, step: int, cfg, publisher: Publisher, producer
         "evaluated_at_start": at_start,
         "pending_rollouts": [r.to_json() for r in held],
     }
+    if publisher.learner.lora_base is not None:
+        meta["lora_base"] = publisher.learner.lora_base
     checkpointer.save(step, publisher.learner.state, meta, force=True)
 
 
@@ -320,10 +344,16 @@ def finish(cfg, learner, model_path, tail, summary, at_start, driver) -> dict[st
         extra["plot"] = str(plot_training(out / "metrics.jsonl", out / "training.png",
                                           eval_points=points, x="time"))  # fmt: skip
     if cfg.export:
-        folder = save_pretrained(learner.policy, learner.state.params["policy"],
+        folder = save_pretrained(learner.base_policy, learner.published(),
                                  out / "hf_export", tokenizer_from=model_path,
                                  write=driver)  # fmt: skip
         extra["export_dir"] = str(folder)
+        if learner.frozen is not None:  # a LoRA run: its adapter too, in PEFT's layout
+            adapter = jax.tree.map(to_host, learner.state.params["policy"])  # every process
+            if driver:
+                lora_lib.save_adapter(learner.policy, adapter, out / "hf_export" / "adapter",
+                                      base_name=str(model_path))  # fmt: skip
+            extra["adapter_dir"] = str(out / "hf_export" / "adapter")
     return extra
 
 

@@ -71,7 +71,7 @@ def generator_pool(config, model_path: Path, log, cancel: StartCancel | None = N
         if cancel is not None:
             cancel.on_cancel(pool.close)  # its wait below then fails at once
         statuses = pool.wait_until_serving()
-        check_swap_mode(gen, targets, statuses)
+        check_swap_mode(gen, targets, statuses, config.model.lora.rank)
         mode = gen.swap_mode + (f", KV {gen.in_flight_kv}" if gen.swap_mode == "in-flight" else "")
         log(f"generator(s) serving: {', '.join(targets)} (version {statuses[0].policy_version}; "
             f"swaps: {mode})")  # fmt: skip
@@ -87,7 +87,7 @@ def _starter(config, model_path: Path, log, servers: list, cancel: StartCancel |
     """start(target="") -> the address of a generator service started for the run (the one
     before it killed first: a restart), appended to `servers`."""
     gen = config.generator
-    args = engine_args(gen)
+    args = engine_args(gen, config.model.lora.rank)
     cpus = [int(c) for c in gen.cpus.split(",")] if gen.cpus else None
 
     def start(target: str = "") -> str:
@@ -104,9 +104,10 @@ def _starter(config, model_path: Path, log, servers: list, cancel: StartCancel |
     return start
 
 
-def check_swap_mode(gen, targets, statuses) -> None:
+def check_swap_mode(gen, targets, statuses, lora_rank: int = 0) -> None:
     """Raises ValueError naming each generator whose swap mode is not `generator.swap_mode`
-    (a generator older than swap modes reports none: it drains)."""
+    (a generator older than swap modes reports none: it drains), or, in "lora" mode, that takes
+    no adapter of `lora_rank` (its `max_lora_rank` is smaller)."""
     wrong = [
         f"{target} swaps {status.swap_mode or 'drain'}"
         + (f" (KV {status.in_flight_kv})" if status.in_flight_kv else "")
@@ -114,15 +115,24 @@ def check_swap_mode(gen, targets, statuses) -> None:
         if (status.swap_mode or "drain") != gen.swap_mode
         or (gen.swap_mode == "in-flight" and status.in_flight_kv != gen.in_flight_kv)
     ]
-    if wrong:
-        raise ValueError(
-            f"config.generator.swap_mode={gen.swap_mode!r}"
-            + (f" (in_flight_kv={gen.in_flight_kv!r})" if gen.swap_mode == "in-flight" else "")
-            + f" but {'; '.join(wrong)}: start them with `python -m generator_service "
-            f"--swap-mode {gen.swap_mode}"
-            + (f" --in-flight-kv {gen.in_flight_kv}`" if gen.swap_mode == "in-flight" else "`")
-            + " or set the config to match"
-        )
+    if gen.swap_mode == "lora":
+        wrong += [f"{target} takes adapters of rank {status.max_lora_rank} at most"
+                  for target, status in zip(targets, statuses, strict=True)
+                  if status.swap_mode == "lora" and status.max_lora_rank < lora_rank]  # fmt: skip
+    if not wrong:
+        return
+    setting = f"config.generator.swap_mode={gen.swap_mode!r}"
+    flags, rank = f"--swap-mode {gen.swap_mode}", ""
+    if gen.swap_mode == "in-flight":
+        setting += f" (in_flight_kv={gen.in_flight_kv!r})"
+        flags += f" --in-flight-kv {gen.in_flight_kv}"
+    elif gen.swap_mode == "lora":
+        setting += f" (model.lora.rank={lora_rank})"
+        flags, rank = "--max-lora-rank R", f" (R >= {lora_rank})"
+    raise ValueError(
+        f"{setting} but {'; '.join(wrong)}: start them with `python -m generator_service "
+        f"{flags}`{rank} or set the config to match"
+    )
 
 
 @contextlib.contextmanager

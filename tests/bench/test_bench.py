@@ -52,6 +52,22 @@ def test_learner_step(tiny_llama):
     )
 
 
+def test_lora_step(tiny_llama):
+    """bench/lora_step.py on the tiny model over the suite's 8 fake devices: both arms step,
+    and LoRA's step holds less: its arguments lose the full optimizer state (the base stays, in
+    float32 here), its temporaries the full gradients."""
+    (row,) = run_bench(
+        [sys.executable, "bench/lora_step.py", "--model", str(tiny_llama), "--rank", "8",
+         "--batch", "8", "--seq", "16", "--steps", "2"]
+    )  # fmt: skip
+    assert row["device"] == "8x cpu" and row["rank"] == 8
+    for name in ("full", "lora"):
+        assert_positive_finite(row[name], "step_s_median", "argument_bytes", "peak_bytes")
+    assert row["lora"]["argument_bytes"] < row["full"]["argument_bytes"]
+    assert row["peak_ratio"] == pytest.approx(row["lora"]["peak_bytes"] / row["full"]["peak_bytes"])
+    assert 0 < row["peak_ratio"] < 1
+
+
 @pytest.mark.slow  # a whole bench run (learner compile + steps): minutes on 2 cores
 def test_parity_fp64(tiny_llama):
     *per_seed, matmul = run_bench(
@@ -257,3 +273,24 @@ def test_bed_choose_steps_picks_the_length_nearest_the_default_bed(monkeypatch, 
     # nearer than |30.0 - 37.5| = 7.5.
     assert asked == [(name, 0, False, False) for name in accuracy]
     assert last == {"size": "bed-m", "target_val": 37.5, "chosen": 450, "val_before": 42.0}
+
+
+@pytest.mark.slow  # two generator services, one after the other
+def test_lora_sync(own_generator):
+    """bench/lora_sync.py on the tiny model: both variants publish, each first sample after a
+    publish is on its version (the bench checks), and the adapter's bytes are its PEFT tensors'
+    (rank 8, seven targets, 2 layers of the tiny model, float32), a fraction of the model's."""
+    (row,) = run_bench(
+        [sys.executable, "bench/lora_sync.py", "--model", "tiny", "--rank", "8",
+         "--max-lora-rank", "8", "--publishes", "2", "--quiet-seconds", "1",
+         "--between-seconds", "0.2"],
+        timeout=600,
+    )  # fmt: skip
+    hidden, kv, inter = 128, 64, 256  # the tiny Llama (jaxrlhf.models.tiny)
+    sides = 4 * hidden + 2 * (hidden + kv) + 3 * (hidden + inter)  # q, o; k, v; the MLP
+    assert row["adapter"]["bytes"] == 2 * 8 * sides * 4
+    assert row["bytes_ratio"] == pytest.approx(row["adapter"]["bytes"] / row["full"]["bytes"])
+    assert row["bytes_ratio"] < 0.2
+    assert row["adapter"]["pause_s"] == 0 and row["full"]["pause_s"] > 0
+    for variant in ("full", "adapter"):
+        assert_positive_finite(row[variant], "to_first_sample_s", "stall_s", "quiet_stall_s")

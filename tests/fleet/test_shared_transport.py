@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -62,10 +63,11 @@ class StubEngine:
         self.policy_version = 0
         self.serving = True
         self.update_id = ""
+        self.config = SimpleNamespace(lora=False)  # a full-weights server
         self.swapped: list[tuple[int, dict[str, np.ndarray]]] = []
 
     async def swap_weights(self, path, preloaded, policy_version, allow_rollback=False,
-                           preload_id=0, update_id="") -> SwapTimes:  # fmt: skip
+                           preload_id=0, update_id="", lora=None) -> SwapTimes:  # fmt: skip
         read = {
             t.name: np.fromfile(path, np.float32, int(np.prod(t.shape)), offset=t.position)
             .reshape(t.shape)

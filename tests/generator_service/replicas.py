@@ -53,8 +53,10 @@ class RecordingEngine:
         self.swaps: list[tuple[int, dict[str, tuple[str, bytes]]]] = []
         # GetStatus's fields (a drain-mode replica that generates nothing):
         self.config = types.SimpleNamespace(
-            model="recording", swap_mode="drain", in_flight_kv="", preload=False
-        )
+            model="recording", swap_mode="drain", in_flight_kv="", preload=False, lora=False,
+            max_lora_rank=0, max_loras=0,
+        )  # fmt: skip
+        self.adapter_versions: list[int] = []
         self.preload_unsupported = ""
         self.preloads = False  # (streams are not preloaded as they arrive)
         self.in_flight = self.swap_pending = False
@@ -69,8 +71,13 @@ class RecordingEngine:
     def update_id(self) -> str:  # as the engine's: set with the version, cleared if unknown
         return self._update_id if self.serving else ""
 
+    def update_specs(self, lora):
+        from generator_service.updates.adapter import update_specs
+
+        return update_specs(self.weight_specs, lora, 0)  # a full-weights server
+
     async def swap_weights(self, update_path, tensors, policy_version, allow_rollback=False,
-                           preload_id=0, update_id=""):  # fmt: skip
+                           preload_id=0, update_id="", lora=None):  # fmt: skip
         from generator_service import failpoints
         from generator_service.updates.swap import finish_despite_cancellation
 

@@ -18,7 +18,7 @@ def header(version=1, sender=0, num_senders=2, num_tensors=3, allow_rollback=Fal
            update_id="u"):  # fmt: skip
     return SimpleNamespace(policy_version=version, sender=sender, num_senders=num_senders,
                            num_tensors=num_tensors, allow_rollback=allow_rollback,
-                           update_id=update_id)  # fmt: skip
+                           update_id=update_id, HasField=lambda field: False)  # fmt: skip
 
 
 def joiner(timeout=5.0, events=None, prepare_fails=None):

@@ -22,7 +22,7 @@ from jaxrlhf.models import bed, tiny
 from jaxrlhf.stages import bed_build
 
 # bed.build_code_digest() of the code that built the committed start models, as it is now.
-PINNED = "00378de4201309acf50531705e94102618aab673b7fbb759e1174728bed1f465"
+PINNED = "948e15f0464c557d0905fd0e9ceaecee4ffb17fbf015cb66a029bfff539ce207"
 
 RECIPE = bed.Recipe(size="bed", steps=3, batch_size=4)
 

@@ -36,8 +36,10 @@ def assert_same_state(want_dir: Path, got_dir: Path, step: int) -> None:
 def timed(key: str) -> bool:
     """Whether a record's figure depends on the clock (seconds, rates) or on the generators'
     load (`generator_*`), or names a version (numbered from the serving one when a run starts):
-    every other figure of two exact runs must be equal."""
-    clocked = key.endswith("_s") or key in ("learner_idle_fraction", "generation_tokens_per_s")
+    every other figure of two exact runs must be equal. `weight_sync_bytes` counts the
+    publishes `weight_sync_s` counts (those the step saw finish), so it moves with it."""
+    clocked = key.endswith("_s") or key in ("learner_idle_fraction", "generation_tokens_per_s",
+                                            "weight_sync_bytes")  # fmt: skip
     return clocked or key.startswith("generator_") or key == "policy_version"
 
 

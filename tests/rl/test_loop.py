@@ -6,6 +6,8 @@ the completions carry.
 """
 
 import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,6 +50,17 @@ def run(config, model_dir, address):
     return base, final, result
 
 
+def model_bytes(model_dir, itemsize: int) -> int:
+    """The bytes of the model's tensors (its safetensors files) at `itemsize` bytes a value."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "np") as file:
+            total += sum(math.prod(file.get_slice(name).get_shape()) for name in file.keys())
+    return total * itemsize
+
+
 def check_versions(base, final, result, max_staleness, total_steps):
     records = result.metrics
     # A fresh run on a server that earlier tests updated first publishes its own initial
@@ -87,7 +100,7 @@ def test_loss_runs_through_generator(loss, max_staleness, tiny_llama, generator_
     required = {"step", "policy_version", "reward_mean", "loss", "staleness_mean",
                 "staleness_max", "generation_tokens_per_s", "train_tokens_per_s",
                 "wait_for_generation_s", "weight_sync_s", "publish_blocked_s",
-                "generator_pause_s"}  # fmt: skip
+                "generator_pause_s", "weight_sync_bytes"}  # fmt: skip
     # The KL to the reference is logged when the run has one (the loss uses it).
     if get_loss_spec(loss).needs_reference(config.loss_params):
         required.add("kl")
@@ -107,6 +120,9 @@ def test_offpolicy_test_bed_staleness_pattern(tiny_llama, generator_address, tmp
     assert published == [False, True, False, True]
     assert [r["weight_sync_s"] > 0 for r in result.metrics] == [False, False, False, True]
     assert [r["generator_pause_s"] > 0 for r in result.metrics] == [False, False, False, True]
+    # What a publish sends: every tensor of the model once, in the compute dtype.
+    full = model_bytes(tiny_llama, np.dtype(config.model.dtype).itemsize)
+    assert [r["weight_sync_bytes"] for r in result.metrics] == [0, 0, 0, full]
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ class InstantLearner:
         self.spec = SimpleNamespace(check=lambda *args, **kwargs: None)
         self.value = None
         self.keep_params = False
+        self.lora_base = None  # (the whole policy trains)
         self.steps = 0
         self.traced: dict[int, int] = {}
 

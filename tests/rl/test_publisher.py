@@ -88,11 +88,12 @@ def test_without_the_background_a_publish_is_in_the_step(monkeypatch):
     publisher = Publisher(learner, None, None, 0, 0, 0)
     publisher.after_update(cfg, producer)  # not due (sync_every 2)
     assert publisher.take_times() == {"weight_sync_s": 0.0, "publish_blocked_s": 0.0,
-                                      "generator_pause_s": 0.0}  # fmt: skip
+                                      "generator_pause_s": 0.0, "weight_sync_bytes": 0}  # fmt: skip
     publisher.after_update(cfg, producer)
     assert threads == [(threading.main_thread(), None)]  # the learner's own parameters
     assert publisher.served == 2 and producer.versions == [2]
     times = publisher.take_times()
     # The publish's own figures (its PublishStats), and the learner blocked for its call.
     assert (times["weight_sync_s"], times["generator_pause_s"]) == (0.125, 0.0625)
+    assert times["weight_sync_bytes"] == 12
     assert times["publish_blocked_s"] >= 0.05

@@ -31,12 +31,15 @@ class WeightUpdate:
     """What every attempt of one publish says about the update it carries (the header of each
     WeightChunk, or the SharedWeights request). `update_id` names this publish: the same over
     its attempts and its senders' streams, so that a replica that swapped in an attempt whose
-    answer was lost reports it (GeneratorStatus.update_id) and the retry counts as delivered."""
+    answer was lost reports it (GeneratorStatus.update_id) and the retry counts as delivered.
+    `lora`: the tensors are a LoRA adapter with these settings (a `generator_pb2.LoraAdapter`,
+    for a "lora" server); None: the model's weights."""
 
     policy_version: int
     num_tensors: int
     allow_rollback: bool = False
     update_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    lora: Any = None
 
 
 @dataclasses.dataclass

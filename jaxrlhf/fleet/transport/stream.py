@@ -131,6 +131,7 @@ class StreamTransport(WeightTransport):
             num_senders=self.num_senders,
             sender=self.sender,
             update_id=update.update_id,
+            lora=update.lora,
         )
         feeds = {client: _ReplicaFeed(CHUNKS_AHEAD) for client in clients}
         # A thread per replica, for this attempt only: every call must run at once, since the
