@@ -36,7 +36,10 @@ SWAP_SETTINGS = {
 def swap_setting(gen) -> str:
     """The name of a config's `generator` swap setting (in_flight_kv only counts in flight),
     with "-no-preload" when its swaps are not preloaded (`generator.preload`; never one of
-    `SWAP_SETTINGS`, so such a run always gets a service of its own)."""
+    `SWAP_SETTINGS`, so such a run always gets a service of its own); "lora" for a server of
+    LoRA adapters (`--max-lora-rank`: never given either)."""
+    if gen.swap_mode == "lora":
+        return "lora"
     name = "drain" if gen.swap_mode == "drain" else f"in-flight-{gen.in_flight_kv}"
     return name + ("" if gen.preload else "-no-preload")
 

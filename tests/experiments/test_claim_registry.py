@@ -35,6 +35,7 @@ def test_every_registered_claim_has_a_complete_spec_in_its_own_module(tmp_path):
         "f",
         "f-replicated",
         "b-tuning",
+        "lora-tuning",
     )
     in_table = ["a", "a-steps", "b", "b-rounds", "c", "d", "e", "e-parts", "f", "f-replicated"]
     assert [s.name for s in claim_registry.table()] == in_table
@@ -61,7 +62,7 @@ def test_every_registered_claim_has_a_complete_spec_in_its_own_module(tmp_path):
 
 
 def test_unknown_claims_are_refused_with_the_known_ones(capsys):
-    known = r"unknown claim 'g'; known claims: pilot, a, a-steps, b, .*f, f-replicated, b-tuning"
+    known = r"unknown claim 'g'; known claims: pilot, a, a-steps, b, .*f-replicated, b-tuning, lora"
     with pytest.raises(ValueError, match=known):
         claim_registry.claim("g")
     with pytest.raises(SystemExit):

@@ -9,6 +9,7 @@ from jaxrlhf.experiments.claims import (
     async_step_sizes,
     corrections_mixed,
     corrections_replicated,
+    lora_tuning,
     losses_robust,
     losses_rounds,
     pilot,
@@ -33,6 +34,7 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     corrections_mixed.SPEC,  # (f)
     corrections_replicated.SPEC,  # f-replicated: (f) on new seeds, pre-registered
     tuning.SPEC,  # b-tuning: (b)'s settings, pre-registered
+    lora_tuning.SPEC,  # lora-tuning: LoRA's and full fine-tuning's rates, pre-registered
 )
 
 
