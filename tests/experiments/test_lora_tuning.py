@@ -16,6 +16,9 @@ SETTINGS = Settings(seeds=(500, 501), steps=64, eval_every=16)
 
 
 def test_the_plan_runs_each_arm_s_grid_on_validation_alone(tmp_path):
+    from jaxrlhf.experiments.claims.lora_tuning import SEEDS
+
+    assert claim("lora-tuning").defaults["seeds"] == SEEDS == "500-501"  # apart from the others
     runs = claim("lora-tuning").plan(SETTINGS, tmp_path)
     assert len(runs) == 2 * (len(GRID["full"]) + len(GRID["lora"]))
     for run in runs:

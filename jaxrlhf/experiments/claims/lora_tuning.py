@@ -121,4 +121,5 @@ SPEC = ClaimSpec(
     analysis=lora_tuning_record,
     table_row=False,
     registration=RULE,
+    defaults={"seeds": SEEDS},
 )
