@@ -81,6 +81,7 @@ def test_rlhf_with_the_whole_batch_in_one_step_does_not_fit(module):
     assert plan(config, 8, 80 * GIB)["per_device_bytes"]["total"] > 2 * 80 * GIB
 
 
+@pytest.mark.slow  # compiles the tiny stage's programs twice: a minute on 2 cores
 def test_a_lora_plan_holds_the_adapters_and_their_optimizer_alone():
     """`model.lora.rank` > 0: the plan's parameters are the adapters' (rank x (in + out) for
     each target of each layer, counted here from the model's shape), the optimizer state their
