@@ -3,6 +3,7 @@ policy to a "drain" one, side by side in one run.
 
     python bench/lora_sync.py                     # SmolLM2-135M (packaged), rank 16, 6 publishes
     python bench/lora_sync.py --model tiny --rank 8 --publishes 2 --quiet-seconds 1   # smoke
+    python bench/lora_sync.py --full-address HOST:PORT --adapter-address HOST:PORT  # running ones
 
 Each variant starts its own generator service on `--model` (fp32, `--dtype`): `full`, the
 default drain mode with preloaded swaps, takes every tensor of the model at each publish (what a
@@ -11,7 +12,9 @@ LoRA run publishes to any other generator: its merged weights); `adapter`, start
 layers of each block (A [rank, in], B [out, rank], random). The publishes go through the
 learner's own pool (`jaxrlhf.fleet.GeneratorPool.publish_weights`, its default transport). While
 they run, a client keeps the generator busy with a stream of short greedy calls, back to back
-(`--probe-tokens` tokens each), and records when each ends. Per publish of version v:
+(`--probe-tokens` tokens each), and records when each ends. `--full-address` and
+`--adapter-address` take running services of the model instead (in those modes; fp32 for the
+full variant's tensors) and leave them running. Per publish of version v:
 
 - `bytes`: what the server received (UpdateWeightsResponse.num_bytes);
 - `to_first_sample_s`: from the publish's start to the end of a one-token greedy call made as
@@ -104,14 +107,17 @@ class Probe:
 
 
 def run_variant(name: str, model_dir: Path, tensors: dict, args, folder: Path) -> dict:
-    """One variant's server, quiet period and publishes (module docstring)."""
-    extra = (
-        ["--max-lora-rank", str(args.max_lora_rank), "--no-preload"] if name == "adapter" else []
-    )
-    server = start_server(model_dir, folder / f"{name}.log",
-                          ["--dtype", "float32", "--max-model-len", "256", "--seed", "0", *extra],
-                          env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
-    pool = GeneratorPool([server.address])
+    """One variant's server (started here, or the running one given), quiet period and
+    publishes (module docstring)."""
+    address, server = getattr(args, f"{name}_address"), None
+    if not address:
+        lora_mode = ["--max-lora-rank", str(args.max_lora_rank), "--no-preload"]
+        extra = lora_mode if name == "adapter" else []
+        options = ["--dtype", "float32", "--max-model-len", "256", "--seed", "0", *extra]
+        server = start_server(model_dir, folder / f"{name}.log", options,
+                              env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+        address = server.address
+    pool = GeneratorPool([address])
     lora = None
     if name == "adapter":
         lora = generator_pb2.LoraAdapter(rank=args.rank, alpha=2.0 * args.rank,
@@ -130,7 +136,8 @@ def run_variant(name: str, model_dir: Path, tensors: dict, args, folder: Path) -
                 time.sleep(args.between_seconds)
     finally:
         pool.close()
-        server.terminate()
+        if server is not None:
+            server.terminate()
     return summary(name, rows, quiet)
 
 
@@ -165,6 +172,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--probe-tokens", type=int, default=4)
     parser.add_argument("--quiet-seconds", type=float, default=5.0)
     parser.add_argument("--between-seconds", type=float, default=1.0)
+    parser.add_argument("--full-address", default="", help="a running drain-mode service")
+    parser.add_argument("--adapter-address", default="", help="a running LoRA-mode service")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     model_dir = resolve_model(args.model)

@@ -179,3 +179,13 @@ def generator_server(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="session")
 def generator_address(generator_server) -> str:
     return generator_server.address
+
+
+@pytest.fixture(scope="session")
+def lora_generator(tiny_llama, tmp_path_factory) -> str:
+    """The address of a generator in "lora" mode serving `tiny_llama` (adapters of rank 8 at
+    most), started once; its tests publish versions newer than the one it serves."""
+    folder = tmp_path_factory.mktemp("lora-generator")
+    server = start_test_server(tiny_llama, folder / "server.log", ["--max-lora-rank", "8"])
+    yield server.address
+    server.terminate()

@@ -45,10 +45,19 @@ class Replica:
     # or the pool's `capacity`), and how many leased calls hold now.
     capacity: int = 0
     in_use: int = 0
+    # What it serves besides the weights (`served_identity`), as the run's start saw it: a
+    # replica that answers again serving anything else does not rejoin.
+    identity: tuple = ()
 
     @property
     def target(self) -> str:
         return self.client.target
+
+
+def served_identity(status: generator_pb2.GeneratorStatus) -> tuple:
+    """What a replica serves besides its weights' version: its model folder (a LoRA run's
+    adapters apply to that base alone), dtype, swap mode, and largest adapter rank."""
+    return (status.model, status.dtype, status.swap_mode or "drain", status.max_lora_rank)
 
 
 class Lifecycle:
@@ -144,7 +153,17 @@ class Lifecycle:
 
     def _rejoining(self, replica: Replica, status: generator_pb2.GeneratorStatus) -> None:
         """A failed replica answers again: it waits for the current weights. One NOT_SERVING
-        (a swap failed half-way) holds weights of no known version: it gets the full update."""
+        (a swap failed half-way) holds weights of no known version: it gets the full update.
+        One that serves another model, dtype or swap mode than at the run's start (its
+        `identity`) stays failed, said once."""
+        identity = served_identity(status)
+        if replica.identity and identity != replica.identity:
+            if replica.error != f"serves {identity}":
+                replica.error = f"serves {identity}"
+                self.log(f"generator {replica.target} answers again but serves (model, dtype, "
+                         f"swap mode, max LoRA rank) {identity}, not {replica.identity} as at "
+                         "the start: it does not rejoin")  # fmt: skip
+            return
         version = status.policy_version if status.serving else UNKNOWN_VERSION
         with self._cond:
             replica.state, replica.version = REJOINING, version

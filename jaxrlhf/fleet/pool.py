@@ -30,7 +30,7 @@ import grpc
 
 from jaxrlhf.fleet.delivery import DeliverySettings, WeightDelivery
 from jaxrlhf.fleet.failures import REPLICA_DOWN, GeneratorError, describe
-from jaxrlhf.fleet.lifecycle import LIVE, REJOINING, Lifecycle, Replica
+from jaxrlhf.fleet.lifecycle import LIVE, REJOINING, Lifecycle, Replica, served_identity
 from jaxrlhf.fleet.rpc import generator_pb2
 from jaxrlhf.fleet.rpc.client import DEFAULT_CHUNK_BYTES, GeneratorClient
 from jaxrlhf.fleet.sample import Sample
@@ -183,6 +183,7 @@ class GeneratorPool:
             status = replica.client.wait_until_serving(timeout)
             replica.version = status.policy_version
             replica.capacity = self.capacity or status.max_num_seqs
+            replica.identity = served_identity(status)
             statuses.append(status)
         return statuses
 

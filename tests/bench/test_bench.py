@@ -275,15 +275,15 @@ def test_bed_choose_steps_picks_the_length_nearest_the_default_bed(monkeypatch, 
     assert last == {"size": "bed-m", "target_val": 37.5, "chosen": 450, "val_before": 42.0}
 
 
-@pytest.mark.slow  # two generator services, one after the other
-def test_lora_sync(own_generator):
-    """bench/lora_sync.py on the tiny model: both variants publish, each first sample after a
-    publish is on its version (the bench checks), and the adapter's bytes are its PEFT tensors'
-    (rank 8, seven targets, 2 layers of the tiny model, float32), a fraction of the model's."""
+def test_lora_sync(tiny_llama, generator_address, lora_generator):
+    """bench/lora_sync.py on the suite's tiny generators (drain, and LoRA mode): both variants
+    publish, each first sample after a publish is on its version (the bench checks), and the
+    adapter's bytes are its PEFT tensors' (rank 8, seven targets, 2 layers of the tiny model,
+    float32), a fraction of the model's."""
     (row,) = run_bench(
-        [sys.executable, "bench/lora_sync.py", "--model", "tiny", "--rank", "8",
-         "--max-lora-rank", "8", "--publishes", "2", "--quiet-seconds", "1",
-         "--between-seconds", "0.2"],
+        [sys.executable, "bench/lora_sync.py", "--model", str(tiny_llama), "--rank", "8",
+         "--publishes", "2", "--quiet-seconds", "1", "--between-seconds", "0.2",
+         "--full-address", generator_address, "--adapter-address", lora_generator],
         timeout=600,
     )  # fmt: skip
     hidden, kv, inter = 128, 64, 256  # the tiny Llama (jaxrlhf.models.tiny)

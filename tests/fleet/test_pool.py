@@ -294,3 +294,26 @@ def test_the_lifecycle_restarts_a_dead_replica_of_the_run_within_its_bound(fakes
     assert (replica.state, replica.version) == (FAILED, 4)
     assert dict(counters) == {"failures": 2, "restarts": 1, "rejoins": 1}
     assert any("restart 1 of at most 1" in line for line in logs)
+
+
+def test_a_replica_that_answers_again_serving_another_model_does_not_rejoin(fakes):
+    """A LoRA run's adapters apply to one base: a replica that comes back serving another
+    model folder (or dtype, swap mode, largest adapter rank) than the pool saw at the start
+    stays failed, said once in the log; back on its model, it rejoins."""
+    replica_server = fakes()
+    replica_server.model = "/models/base"
+    pool = GeneratorPool([replica_server.address], probe_interval=0.1, log=(logs := []).append)
+    try:
+        pool.wait_until_serving()
+        (replica,) = pool.replicas
+        assert replica.identity == ("/models/base", "", "drain", 0)
+        pool.lifecycle.fail(replica, "Generate: UNAVAILABLE")
+        replica_server.model = "/models/other"
+        time.sleep(0.5)  # several probes
+        assert replica.state == FAILED
+        assert sum("does not rejoin" in line for line in logs) == 1
+        assert "/models/other" in next(line for line in logs if "does not rejoin" in line)
+        replica_server.model = "/models/base"
+        wait_for(lambda: replica.state == REJOINING)
+    finally:
+        pool.close()

@@ -207,6 +207,7 @@ class FakeGenerator:
         self.capacity, self.hold = capacity, hold
         self.finish_after, self.linger = finish_after, linger
         self.update_id, self.updates = "", 0
+        self.model = ""  # what GetStatus says it serves
         self.sequence_seconds, self._since = 0.0, time.monotonic()
         self.call_starts: list[float] = []
         self.dead = False
@@ -251,7 +252,8 @@ class FakeGenerator:
         self._alive(context)
         return generator_pb2.GeneratorStatus(policy_version=self.version, serving=True,
                                               max_num_seqs=self.capacity,
-                                              update_id=self.update_id)  # fmt: skip
+                                              update_id=self.update_id,
+                                              model=self.model)  # fmt: skip
 
     def _update_weights(self, chunks, context):
         from jaxrlhf_wire.stubs import generator_pb2

@@ -16,7 +16,6 @@ import transformers
 from jaxrlhf.fleet.pool import GeneratorPool
 from jaxrlhf.fleet.rpc import GeneratorClient
 from jaxrlhf.rl.trainer import run_rlhf
-from tests.conftest import start_test_server
 from tests.rl.jax_generator import JaxGenerator
 from tests.rl.test_learning import RESPONSE_TOKENS, learning_config, target_task
 from tests.rl.test_loop import check_versions, model_bytes
@@ -28,15 +27,6 @@ def lora_run_config(output_dir, staleness: int, steps: int, learning_rate: float
     config.model.lora.rank = 4
     config.loss_params.old_logprobs = "learner"  # the learner's log-probs beside the sampler's
     return config
-
-
-@pytest.fixture(scope="module")
-def lora_generator(tiny_llama, tmp_path_factory) -> str:
-    """A generator in "lora" mode serving `tiny_llama` (adapters of rank 8 at most)."""
-    folder = tmp_path_factory.mktemp("lora-generator")
-    server = start_test_server(tiny_llama, folder / "server.log", ["--max-lora-rank", "8"])
-    yield server.address
-    server.terminate()
 
 
 def run_lora(config, tiny_llama, address):
