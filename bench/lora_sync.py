@@ -23,7 +23,9 @@ full variant's tensors) and leave them running. Per publish of version v:
 - `pause_s`: the server's own pause for the swap (UpdateWeightsResponse.pause_seconds);
 - `stall_s`: the longest gap between two probe calls' ends from the publish's start to that
   first sample. Against it, `quiet_stall_s`: the longest such gap over `--quiet-seconds` before
-  any publish, on the same server. The generation a swap stops shows as the difference.
+  any publish, on the same server. The generation a swap stops shows as the difference. And
+  `quiet_calls_per_s`, the probe calls a second then: how fast each engine generates (vLLM's
+  CPU backend runs a LoRA-enabled engine uncompiled).
 
 Per variant the medians over its publishes; the ratios adapter / full of bytes and of the time
 to the first sample. Prints a table and one JSON line; writes it to `--out` if given.
@@ -129,7 +131,9 @@ def run_variant(name: str, model_dir: Path, tensors: dict, args, folder: Path) -
         with Probe(pool, args.probe_tokens) as probe:
             started = time.perf_counter()
             time.sleep(args.quiet_seconds)
-            quiet = probe.longest_gap(started, time.perf_counter())
+            ended = time.perf_counter()
+            quiet = probe.longest_gap(started, ended)
+            calls = sum(started < t < ended for t in list(probe.ends)) / (ended - started)
             for _ in range(args.publishes):
                 version += 1
                 rows.append(publish_once(pool, tensors, version, lora, probe))
@@ -138,7 +142,7 @@ def run_variant(name: str, model_dir: Path, tensors: dict, args, folder: Path) -
         pool.close()
         if server is not None:
             server.terminate()
-    return summary(name, rows, quiet)
+    return {**summary(name, rows, quiet), "quiet_calls_per_s": calls}
 
 
 def publish_once(pool: GeneratorPool, tensors: dict, version: int, lora, probe: Probe) -> dict:
@@ -195,7 +199,15 @@ def main(argv=None) -> dict:
 
 
 def print_table(out: dict) -> None:
-    keys = ("bytes", "publish_s", "to_first_sample_s", "pause_s", "stall_s", "quiet_stall_s")
+    keys = (
+        "bytes",
+        "publish_s",
+        "to_first_sample_s",
+        "pause_s",
+        "stall_s",
+        "quiet_stall_s",
+        "quiet_calls_per_s",
+    )
     print(f"{'variant':10}" + "".join(f"{k:>20}" for k in keys))
     for name in ("full", "adapter"):
         row = out[name]

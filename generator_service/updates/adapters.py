@@ -36,7 +36,7 @@ import grpc
 
 from generator_service.status import Served, SwapTimes
 from generator_service.updates.adapter import LoraSettings, write_adapter_folder
-from generator_service.updates.swap import finish_despite_cancellation
+from generator_service.updates.swap import check_newer, finish_despite_cancellation
 from generator_service.updates.tensors import PreloadTensor, WeightUpdateError
 
 logger = logging.getLogger(__name__)
@@ -153,12 +153,7 @@ class AdapterSwaps:
             self._unload_if_unused(previous)
 
     def _check_version(self, policy_version: int, allow_rollback: bool) -> None:
-        served = self._served.policy_version
-        if policy_version <= served and not allow_rollback:
-            raise WeightUpdateError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"policy_version {policy_version} is not newer than the served version {served}",
-            )
+        check_newer(self._served, policy_version, allow_rollback)
         if policy_version == 0:
             raise WeightUpdateError(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -105,12 +105,7 @@ class Swaps:
         return SwapTimes(preload_seconds, pause_seconds, preload_tokens)
 
     def _check_newer(self, policy_version: int, allow_rollback: bool) -> None:
-        served = self._served.policy_version
-        if policy_version <= served and not allow_rollback:
-            raise WeightUpdateError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"policy_version {policy_version} is not newer than the served version {served}",
-            )
+        check_newer(self._served, policy_version, allow_rollback)
 
     async def _load_in_pause(
         self, path: str, tensors: list, policy_version: int, allow_rollback: bool, preloaded: int,
@@ -191,6 +186,16 @@ class Swaps:
                 logger.warning("failpoint: running requests never reached %d tokens", count)
                 return
             await asyncio.sleep(0.001)
+
+
+def check_newer(served: Served, policy_version: int, allow_rollback: bool) -> None:
+    """FAILED_PRECONDITION for an update not newer than the served version (and no rollback)."""
+    if policy_version <= served.policy_version and not allow_rollback:
+        raise WeightUpdateError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"policy_version {policy_version} is not newer than the served version "
+            f"{served.policy_version}",
+        )
 
 
 async def finish_despite_cancellation(task: asyncio.Future):

@@ -293,4 +293,6 @@ def test_lora_sync(tiny_llama, generator_address, lora_generator):
     assert row["bytes_ratio"] < 0.2
     assert row["adapter"]["pause_s"] == 0 and row["full"]["pause_s"] > 0
     for variant in ("full", "adapter"):
-        assert_positive_finite(row[variant], "to_first_sample_s", "stall_s", "quiet_stall_s")
+        assert_positive_finite(
+            row[variant], "to_first_sample_s", "stall_s", "quiet_stall_s", "quiet_calls_per_s"
+        )
