@@ -106,7 +106,7 @@ def remove_stale_files(directory: str, prefix: str) -> None:
         try:
             fd = os.open(lock, os.O_RDONLY)
         except FileNotFoundError:
-            if not _pid_runs(path.name[len(prefix) :].split("-", 1)[0]):
+            if not pid_runs(path.name[len(prefix) :].split("-", 1)[0]):
                 path.unlink(missing_ok=True)  # made before files had a lock
             continue
         except PermissionError:
@@ -129,7 +129,7 @@ def _take_unheld(fd: int, lock: Path) -> bool:
         return False  # held: its owner runs; or gone
 
 
-def _pid_runs(pid: str) -> bool:
+def pid_runs(pid: str) -> bool:
     """Whether the process `pid` (a name's; a name without one: yes) runs, as this process sees."""
     if not pid.isdigit():
         return True

@@ -38,6 +38,7 @@ from generator_service.status import Served, SwapTimes
 from generator_service.updates.adapter import LoraSettings, write_adapter_folder
 from generator_service.updates.swap import check_newer, finish_despite_cancellation
 from generator_service.updates.tensors import PreloadTensor, WeightUpdateError
+from jaxrlhf_wire.files import pid_runs
 
 logger = logging.getLogger(__name__)
 
@@ -183,5 +184,21 @@ class AdapterSwaps:
 
 
 def adapters_root(update_dir: str) -> str:
-    """The folder of this server's adapters, under `update_dir`."""
+    """The folder of this server's adapters, under `update_dir`; the folders that servers no
+    longer running left there (killed before their shutdown removed them) are deleted first."""
+    remove_stale_adapter_folders(update_dir)
     return os.path.abspath(os.path.join(update_dir, f"{ADAPTERS_PREFIX}{os.getpid()}"))
+
+
+def remove_stale_adapter_folders(update_dir: str) -> list[str]:
+    """Deletes `update_dir`'s ADAPTERS_PREFIX<pid> folders whose process does not run (a PID
+    reused by a running process keeps its folder: never one in use); returns them."""
+    removed = []
+    if not os.path.isdir(update_dir):
+        return removed
+    for name in os.listdir(update_dir):
+        pid = name[len(ADAPTERS_PREFIX) :]
+        if name.startswith(ADAPTERS_PREFIX) and pid.isdigit() and not pid_runs(pid):
+            shutil.rmtree(os.path.join(update_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed

@@ -243,3 +243,24 @@ def test_lora_mode_s_command_line(capsys):
         assert problem in option_error(parse_args([*base, "--max-lora-rank", "8", *extra]))
     assert "give --max-lora-rank too" in option_error(parse_args([*base, "--max-loras", "2"]))
     assert option_error(parse_args([*base, "--max-lora-rank", "8", "--no-preload"])) is None
+
+
+def test_the_adapter_folders_of_servers_no_longer_running_are_swept(tmp_path):
+    """A server killed before its shutdown leaves `jaxrlhf-lora-<pid>/`: the next server's
+    `adapters_root` deletes it, and keeps those of running processes (this one) and other
+    names."""
+    import os
+    import subprocess
+    import sys
+
+    from generator_service.updates.adapters import ADAPTERS_PREFIX, adapters_root
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    for name in (f"{ADAPTERS_PREFIX}{gone}", f"{ADAPTERS_PREFIX}{os.getppid()}", "other"):
+        (tmp_path / name / "v1-1").mkdir(parents=True)
+    root = adapters_root(str(tmp_path))
+    assert root == str(tmp_path / f"{ADAPTERS_PREFIX}{os.getpid()}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{ADAPTERS_PREFIX}{os.getppid()}", "other"]
+    )
