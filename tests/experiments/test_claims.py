@@ -352,3 +352,28 @@ def test_rerun_other_starts_reruns_only_the_runs_from_another_build(tmp_path, mo
     for argv in (base, [*base, "--rerun-other-starts"]):
         cli.run_claim("c", cli.parse_args(argv))
     assert chosen == [[], ["bed/N16"]]
+
+
+def test_the_arm_table_shows_the_policy_kl_beside_the_batch_kl(tmp_path):
+    """Item 7 of the claims' issue: the sampler's batch KL (labelled so) and the final policy's
+    KL from the start model on held-out prompts (summary.json policy_kl_end), mean ± s.e.; "-"
+    for runs that did not measure it."""
+    import json
+
+    settings = Settings(seeds=(0, 1), steps=4, eval_every=2)
+    runs = claim("a").plan(settings, tmp_path)
+    for run in runs:
+        write_run(run.folder, 0.6, kl=0.0)
+        if run.labels["arm"] == "sync":
+            summary = json.loads((run.folder / "summary.json").read_text())
+            summary["policy_kl_end"] = 0.2 + 0.1 * run.labels["seed"]
+            (run.folder / "summary.json").write_text(json.dumps(summary))
+    record = analyse("a", runs, settings)
+    rows = {r["arm"]: r for r in record["rows"]}
+    assert rows["sync"]["policy_kl"] == pytest.approx(0.25)
+    table = markdown(record)
+    assert "| batch KL | policy KL |" in table
+    sync_line = next(line for line in table.splitlines() if line.startswith("| sync |"))
+    assert "| 0.00 ± 0.00 | 0.250 ± 0.050 |" in sync_line
+    other = next(line for line in table.splitlines() if line.startswith("| one-step-off |"))
+    assert "| 0.00 ± 0.00 | - |" in other

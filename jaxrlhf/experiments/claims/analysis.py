@@ -115,6 +115,7 @@ def arm_rows(arms: dict[str, dict[int, dict[str, Any]]], planned: dict[str, int]
             "validation",
             "test_start",
             "kl",
+            "policy_kl",
             "learner_seconds",
             "mixed_version_fraction",
             "learner_idle_fraction",

@@ -73,15 +73,20 @@ def _mean_curve(runs: Sequence[list[dict]]) -> list[tuple[float, float]]:
 
 
 def markdown(record: dict[str, Any]) -> str:
-    """The arms (test and validation accuracy, KL, mixed-version share, learner idle share,
-    seeds) and the comparisons (mean ± s.e., 95% interval, p, beyond noise)."""
-    lines = ["| arm | seeds | test % | validation % | KL | mixed | learner idle "
+    """The arms (test and validation accuracy, the two KLs, mixed-version share, learner idle
+    share, seeds) and the comparisons (mean ± s.e., 95% interval, p, beyond noise). "batch KL":
+    the loss's KL on the sampler's own samples (the last updates' mean); "policy KL": the final
+    policy's KL from the start model on its own samples of held-out prompts (`eval.kl_prompts`;
+    "-" for runs without it), which shows how far the learner moved."""
+    lines = ["| arm | seeds | test % | validation % | batch KL | policy KL | mixed | learner idle "
              "| staleness, updates 2+ (min-max) | oldest token |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in record["rows"]:
         cells = [format_mean_stderr(r["test"], r["test_stderr"]),
                  format_mean_stderr(r["validation"], r["validation_stderr"]),
                  format_mean_stderr(r["kl"], r["kl_stderr"], digits=2),
+                 format_mean_stderr(r.get("policy_kl", math.nan),
+                                    r.get("policy_kl_stderr", math.nan), digits=3),
                  format_mean_stderr(r["mixed_version_fraction"], r["mixed_version_fraction_stderr"],
                                     digits=2),
                  format_mean_stderr(r["learner_idle_fraction"], r["learner_idle_fraction_stderr"],
