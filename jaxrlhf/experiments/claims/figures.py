@@ -48,7 +48,7 @@ def plot_claim(record: dict[str, Any], curves: dict[str, list[list[dict]]], path
         points = _mean_curve(runs)
         right.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3,
                    color=f"C{index % 10}", label=arm)  # fmt: skip
-    right.set_xlabel("KL from the start model")
+    right.set_xlabel("batch KL from the start model (on the sampler's samples)")
     right.set_ylabel("test accuracy (%)")
     if curves:
         right.legend(fontsize="x-small")
