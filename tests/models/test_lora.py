@@ -117,3 +117,39 @@ def test_bad_settings_and_adapters_are_refused_by_name(tmp_path):
     other, _ = load_pretrained(tiny_model("llama", name="llama-wide", hidden_size=96))
     with pytest.raises(ValueError, match="lora_A.weight has shape"):
         lora_lib.load_adapter(other, folder)
+
+
+def test_vllm_s_own_adapter_loader_reads_a_saved_adapter(tmp_path):
+    """The loader behind vLLM's `--lora-modules` and `LoRARequest(lora_path=...)`
+    (`PEFTHelper.from_local_dir`, `LoRAModel.from_local_checkpoint`, as its worker calls them)
+    takes the folder `save_adapter` writes (the `hf_export/adapter/` of a LoRA run): every
+    factor, with PEFT's scaling alpha / r, and no module it does not expect."""
+    lora_model = pytest.importorskip("vllm.lora.lora_model")
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.peft_helper import PEFTHelper
+
+    path = tiny_model("llama")
+    base, _ = load_pretrained(path)
+    targets = ("q_proj", "v_proj", "down_proj")
+    model = lora_lib.with_lora(base, 4, 6.0, targets)
+    adapter = _randomized(lora_lib.init_adapter(model), np.random.default_rng(3))
+    folder = lora_lib.save_adapter(model, adapter, tmp_path / "adapter", base_name=str(path))
+    helper = PEFTHelper.from_local_dir(str(folder), max_position_embeddings=None)
+    helper.validate_legal(LoRAConfig(max_lora_rank=8))
+    loaded = lora_model.LoRAModel.from_local_checkpoint(
+        str(folder), set(targets), helper, lora_model_id=1, device="cpu", dtype=torch.float32
+    )
+    ours = lora_lib.adapter_tensors(model.config, adapter)
+    layers = base.config.num_layers
+    assert len(loaded.loras) == layers * len(targets)
+    for name, weights in loaded.loras.items():  # "model.layers.{i}.{block}.{target}"
+        prefix = f"base_model.model.{name}"
+        # vLLM stores A and B as PEFT does, the scaling kept apart: alpha / r.
+        np.testing.assert_array_equal(weights.lora_a.numpy(), ours[f"{prefix}.lora_A.weight"])
+        np.testing.assert_array_equal(weights.lora_b.numpy(), ours[f"{prefix}.lora_B.weight"])
+        assert weights.scaling == pytest.approx(6.0 / 4)
+    # A target the served model would not expect is refused by the same loader.
+    with pytest.raises(ValueError, match="expected target modules"):
+        lora_model.LoRAModel.from_local_checkpoint(
+            str(folder), {"q_proj", "v_proj"}, helper, lora_model_id=2, device="cpu"
+        )
