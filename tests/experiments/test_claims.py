@@ -377,3 +377,27 @@ def test_the_arm_table_shows_the_policy_kl_beside_the_batch_kl(tmp_path):
     assert "| 0.00 ± 0.00 | 0.250 ± 0.050 |" in sync_line
     other = next(line for line in table.splitlines() if line.startswith("| one-step-off |"))
     assert "| 0.00 ± 0.00 | - |" in other
+
+
+def test_the_time_table_gives_each_arm_s_seconds_per_update_after_the_first_two(tmp_path):
+    """Where the time goes (descriptive): means over updates 3+ of each run, then over seeds;
+    no table for records without the timing keys."""
+    settings = Settings(seeds=(0, 1), steps=4, eval_every=2)
+    runs = claim("a").plan(settings, tmp_path)
+    for run in runs:
+        write_run(run.folder, 0.6)
+        seed = run.labels["seed"]
+        path = run.folder / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        for r in records:  # updates 1-2 (compilation) far off, so that counting them shows
+            early = r["step"] <= 2
+            r.update(step_s=9.0 if early else 0.5 + 0.1 * r["step"] + seed,
+                     wait_for_generation_s=0.25, train_s=0.125, weight_sync_s=0.0625,
+                     generation_tokens_per_s=1000.0 * (seed + 1),
+                     generator_occupancy=0.5)  # fmt: skip
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "Where the time goes" not in markdown(analyse("a", [], settings))
+    table = markdown(analyse("a", runs, settings))
+    line = next(x for x in table.splitlines() if x.startswith("| sync | 9.0 |"))
+    # seed 0: steps 3, 4 -> 0.8, 0.9 (mean 0.85); seed 1: 1.85; over seeds 1.35.
+    assert line == "| sync | 9.0 | 1.350 | 0.250 | 0.125 | 0.062 | 1500 | 0.50 |"

@@ -90,7 +90,16 @@ def run_figures(run: PlannedRun, last: int = 5) -> dict[str, Any] | None:
         "token_staleness_max": max(
             (r.get("token_staleness_max", math.nan) for r in records), default=math.nan
         ),  # fmt: skip
+        # Where an update's time goes (descriptive): means over the updates after the first
+        # two, which carry the learner's compilation.
+        "time": {key: mean_of(key, records[2:] or records) for key in TIME_KEYS},
     }
+
+
+# metrics.jsonl keys of `run_figures`' "time": the loop's seconds per update, its wait for
+# generation, the train step, the publish, and the generator's tokens/s and busy share.
+TIME_KEYS = ("step_s", "wait_for_generation_s", "train_s", "weight_sync_s",
+             "generation_tokens_per_s", "generator_occupancy")  # fmt: skip
 
 
 def by_arm(runs: Sequence[PlannedRun]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -129,6 +138,11 @@ def arm_rows(arms: dict[str, dict[int, dict[str, Any]]], planned: dict[str, int]
                                   if ranges else [math.nan, math.nan])  # fmt: skip
         row["token_staleness_max"] = max((f["token_staleness_max"] for f in seeds.values()),
                                          default=math.nan)  # fmt: skip
+        row["time"] = {key: mean_stderr([f["time"][key] for f in seeds.values()
+                                         if "time" in f and math.isfinite(f["time"][key])])[0]
+                       for key in TIME_KEYS}  # fmt: skip
+        row["wall_seconds"] = mean_stderr([f["wall_seconds"] for f in seeds.values()
+                                           if f.get("wall_seconds")])[0]  # fmt: skip
         rows.append(row)
     return rows
 

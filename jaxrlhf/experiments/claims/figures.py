@@ -94,6 +94,7 @@ def markdown(record: dict[str, Any]) -> str:
                  "{:.2f}-{:.2f}".format(*r.get("staleness_later", (math.nan, math.nan))),
                  f"{r.get('token_staleness_max', math.nan):g}"]  # fmt: skip
         lines.append(f"| {r['arm']} | {r['seeds']}/{r['planned']} | {' | '.join(cells)} |")
+    lines += time_table(record["rows"])
     if record.get("starts"):
         models = ", ".join(f"{m['model']} {m['test_start']} / {m['validation_start']} "
                            f"({m['runs']} runs)" for m in record["starts"])  # fmt: skip
@@ -122,6 +123,29 @@ def markdown(record: dict[str, Any]) -> str:
                   f"{p['spread']:.2f} points; seeds for a 95% interval of ±{p['half_width']:g} "
                   f"points: {p['seeds_needed']}"]  # fmt: skip
     return "\n".join(lines)
+
+
+def time_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where each arm's time goes, descriptive (no comparison): the run's wall seconds, then
+    per update after the first two (means over seeds) the loop's seconds, its wait for
+    generation, the train step and the publish, and the generator's tokens/s and busy share.
+    Nothing for records without these figures."""
+    if not any(math.isfinite(r.get("time", {}).get("step_s", math.nan)) for r in rows):
+        return []
+    lines = ["", "Where the time goes (descriptive; seconds per update after the first two, "
+             "means over seeds):", "",
+             "| arm | wall s | s/update | waits for generation | trains | publishes "
+             "| generated tokens/s | generator busy |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        t = r.get("time", {})
+        cells = [f"{r.get('wall_seconds', math.nan):.1f}",
+                 *(f"{t.get(k, math.nan):.3f}" for k in
+                   ("step_s", "wait_for_generation_s", "train_s", "weight_sync_s")),
+                 f"{t.get('generation_tokens_per_s', math.nan):.0f}",
+                 f"{t.get('generator_occupancy', math.nan):.2f}"]  # fmt: skip
+        lines.append(f"| {r['arm']} | {' | '.join(cells)} |")
+    return lines
 
 
 def claims_table(rows: Sequence[tuple[ClaimSpec, dict[str, Any]]]) -> str:
