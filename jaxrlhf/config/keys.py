@@ -148,6 +148,10 @@ def rollout_keys() -> dict:
         # room (generator.capacity), so several batches may be generating at once. Exact resume
         # is not promised in this mode; seeded calls seed each request instead of running alone.
         continuous=False,
+        # Continuous generation: consecutive prompts of a batch per Generate call (their n
+        # samples each). 1 = a call per prompt; more where answers are so short that a call's
+        # fixed cost (its stream, its admission, its thread) outweighs the tail it saves.
+        prompts_per_call=1,
         # Each prompt's own response budget (benchmarks of long tails): "" = max_response_tokens
         # for all; "pareto:A:M" = drawn from a Pareto law of shape A and minimum M tokens,
         # capped at max_response_tokens, a function of (seed, the prompt's position).

@@ -362,29 +362,29 @@ class GeneratorPool:
     def run_leased(
         self,
         replica: Replica,
-        prompt: Sequence[int],
+        prompts: Sequence[Sequence[int]],
         sampling: dict[str, Any],
         started: Callable[[Any], None] | None = None,
+        max_tokens: Sequence[int] = (),
     ) -> tuple[list[Sample], str | None]:
-        """One Generate call of one prompt's n samples on a leased `replica`, its lease given
-        back sample by sample as each finishes (the engine's slot is free then) and the rest when
-        it ends: (its samples, prompt_index 0, or [] if the call failed; the error that marks the
-        replica failed, or None). `started(call)` gets the gRPC call, so that it can be
-        cancelled. A refusal (not a replica failure) raises GeneratorError."""
-        sampling = dict(sampling)
-        limit = sampling.pop("prompt_max_tokens", 0)
+        """One Generate call of `prompts` (n samples each; `max_tokens`: each prompt's own
+        budget, 0 = the call's) on a leased `replica`, its lease given back sample by sample as
+        each finishes (the engine's slot is free then) and the rest when it ends: (its samples,
+        prompt_index the prompt's place in `prompts`, or [] if the call failed; the error that
+        marks the replica failed, or None). `started(call)` gets the gRPC call, so that it can
+        be cancelled. A refusal (not a replica failure) raises GeneratorError."""
         n = sampling.get("n", 1)
-        timeout = self.timeouts.generate_for(n, sampling.get("max_tokens", 1))
+        timeout = self.timeouts.generate_for(n * len(prompts), sampling.get("max_tokens", 1))
         samples: list[Sample] = []
-        held = n
+        held = n * len(prompts)
         try:
-            stream = replica.client.generate(prompt_messages([prompt], [limit]), timeout=timeout,
-                                             **sampling)  # fmt: skip
+            stream = replica.client.generate(prompt_messages(prompts, max_tokens),
+                                             timeout=timeout, **sampling)  # fmt: skip
             if started is not None:
                 started(stream)
             for c in stream:
-                samples.append(Sample(0, c.sample_index, tuple(c.token_ids), tuple(c.logprobs),
-                                      c.finish_reason, c.policy_version,
+                samples.append(Sample(c.prompt_index, c.sample_index, tuple(c.token_ids),
+                                      tuple(c.logprobs), c.finish_reason, c.policy_version,
                                       tuple(c.token_policy_versions), c.submitted_unix_time,
                                       c.finished_unix_time))  # fmt: skip
                 if held > 0:
@@ -400,8 +400,9 @@ class GeneratorPool:
         finally:
             if held > 0:
                 self.release(replica, held)
-        if sorted(s.sample_index for s in samples) != list(range(n)):
-            return [], f"Generate ended with {len(samples)} of {n} samples"
+        expected = [(p, i) for p in range(len(prompts)) for i in range(n)]
+        if sorted((s.prompt_index, s.sample_index) for s in samples) != expected:
+            return [], f"Generate ended with {len(samples)} of {len(expected)} samples"
         return samples, None
 
     # --- weights -----------------------------------------------------------------------------

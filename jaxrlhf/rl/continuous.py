@@ -3,15 +3,18 @@ boundary.
 
 The batch-at-a-time producer (`jaxrlhf.rl.rollout.RolloutProducer`) makes one Generate call per
 batch and starts the next batch when the last sequence of this one ends, so a replica idles
-while a batch's longest answers finish. Here every prompt is its own call (its n samples), and
-a call starts as soon as
+while a batch's longest answers finish. Here every prompt is its own call (its n samples; or
+`prompts_per_call` consecutive prompts of one batch, `rollout.prompts_per_call`, where answers
+are so short that a call's fixed cost outweighs the tail it saves), and a call starts as soon
+as
 
 - its batch's staleness bound allows it (batch i needs policy version ≥ i − max_staleness, the
   same rule), and
 - a replica serving such a version has a free slot of its capacity in sequences (its engine's
   `max_num_seqs`, or `generator.capacity`); a call holds n slots, each given back as its sample
   finishes, so the few sequences beyond the capacity wait in the engine's own queue and a freed
-  slot is refilled at once. A call goes to the replica with the most room
+  slot is refilled at once (a call of k prompts holds k·n). A call goes to the replica with the
+  most room
   (`GeneratorPool.lease`), not to a fixed share of its batch.
 
 So batch i+1's first prompts start while batch i's last ones finish, on every replica, and with
@@ -93,9 +96,12 @@ class ContinuousProducer(ProducerBase):
     `snapshot(version)` for a checkpoint, `close()`."""
 
     def __init__(self, pool: GeneratorPool, *args, log: Callable[[str], None] | None = None,
-                 **kwargs):  # fmt: skip
+                 prompts_per_call: int = 1, **kwargs):  # fmt: skip
         super().__init__(*args, **kwargs)
+        if prompts_per_call < 1:
+            raise ValueError(f"prompts_per_call must be >= 1, got {prompts_per_call}")
         self._pool = pool
+        self._per_call = prompts_per_call
         self._n = self._sampling.get("n", 1)
         self._log = log or (lambda message: None)
         self._next_delivery = self._next_batch  # the next batch to hand over once complete
@@ -150,14 +156,19 @@ class ContinuousProducer(ProducerBase):
         self._stop.set()
         super()._fail(error)
 
-    def _next_call(self) -> tuple[int, int] | None:
-        """The next (batch, prompt) to start, once its batch's bound allows it; None to stop."""
+    def _next_call(self) -> tuple[int, list[int]] | None:
+        """The next call to start, once its batch's bound allows it: (batch, its prompts, up to
+        `prompts_per_call` consecutive ones in schedule order); None to stop."""
         with self._cond:
             while not self._stop.is_set():
                 if self._queue:
                     batch, prompt = self._queue[0]
                     if self._served >= self._batches[batch].required:
-                        return self._queue.popleft()
+                        prompts = [self._queue.popleft()[1]]
+                        while (len(prompts) < self._per_call and self._queue
+                               and self._queue[0] == (batch, prompts[-1] + 1)):  # fmt: skip
+                            prompts.append(self._queue.popleft()[1])
+                        return batch, prompts
                 elif self._next_batch < self._end_batch:
                     index = self._next_batch
                     required = self.required_version(index)
@@ -174,7 +185,7 @@ class ContinuousProducer(ProducerBase):
         try:
             while (call := self._next_call()) is not None:
                 batch = self._batches[call[0]]
-                replica = self._pool.lease(self._n, batch.required, self._stop)
+                replica = self._pool.lease(self._n * len(call[1]), batch.required, self._stop)
                 if replica is None:
                     return
                 thread = threading.Thread(target=self._call, args=(call, replica),
@@ -185,32 +196,32 @@ class ContinuousProducer(ProducerBase):
         except BaseException as error:  # noqa: BLE001 - handed to the learner thread
             self._fail(error)
 
-    def _call_sampling(self, batch: int, prompt: int) -> dict[str, Any]:
+    def _call_sampling(self, batch: int, first: int) -> dict[str, Any]:
         sampling = dict(self._sampling)
-        if self._batches[batch].prompts[prompt].max_tokens:
-            sampling["prompt_max_tokens"] = self._batches[batch].prompts[prompt].max_tokens
         if self.generation_seed is not None:
-            # Distinct for every (seed, batch, prompt, sample): the server adds the sample's
-            # index (GenerateRequest.seed_per_request).
+            # Distinct for every (seed, batch, prompt, sample), however prompts are grouped in
+            # calls: the server adds the place in the call times n plus the sample's index
+            # (GenerateRequest.seed_per_request), and a call's prompts are consecutive.
             batch_seed = self.generation_seed * 1_000_003 + batch
-            sampling["seed"] = (batch_seed * 65_537 + prompt * self._n) % (1 << 63)
+            sampling["seed"] = (batch_seed * 65_537 + first * self._n) % (1 << 63)
             sampling["seed_per_request"] = True
         return sampling
 
-    def _call(self, call: tuple[int, int], replica) -> None:
+    def _call(self, call: tuple[int, list[int]], replica) -> None:
         try:
             self._run_call(call, replica)
         finally:
             with self._cond:
                 self._call_threads.discard(threading.current_thread())
 
-    def _run_call(self, call: tuple[int, int], replica) -> None:
-        index, prompt = call
+    def _run_call(self, call: tuple[int, list[int]], replica) -> None:
+        index, prompts = call
         batch = self._batches[index]
         try:
             samples, error = self._pool.run_leased(
-                replica, batch.prompts[prompt].token_ids, self._call_sampling(index, prompt),
-                started=self._started,
+                replica, [batch.prompts[p].token_ids for p in prompts],
+                self._call_sampling(index, prompts[0]), started=self._started,
+                max_tokens=[batch.prompts[p].max_tokens for p in prompts],
             )  # fmt: skip
         except GeneratorError as refused:
             self._fail(refused)
@@ -225,9 +236,10 @@ class ContinuousProducer(ProducerBase):
                 return
             with self._cond:
                 self.retries += 1
-                self._queue.appendleft(call)
+                self._queue.extendleft((index, p) for p in reversed(prompts))
                 self._cond.notify_all()
-            self._log(f"prompt {prompt} of batch {index} is started again ({error})")
+            named = f"prompt {prompts[0]}" if len(prompts) == 1 else f"prompts {prompts}"
+            self._log(f"{named} of batch {index} is started again ({error})")
             return
         try:
             check_within_bound(index, batch.required, samples)
@@ -235,7 +247,8 @@ class ContinuousProducer(ProducerBase):
             self._fail(stale)
             return
         with self._cond:
-            batch.add(prompt, samples)
+            for place, prompt in enumerate(prompts):
+                batch.add(prompt, [s for s in samples if s.prompt_index == place])
             while (done := self._batches.get(self._next_delivery)) and done.complete:
                 self._ready.append(done.rollout())
                 del self._batches[self._next_delivery]

@@ -168,7 +168,8 @@ def begin(cfg, learner: Learner, pool, model_path: Path, checkpointer, log) -> R
 def make_producer(cfg, task: Task, pool: GeneratorPool, start: RunStart, log=None):
     """The driver's rollout producer: batch at a time, or continuous (`rollout.continuous`,
     which logs each prompt it starts again after its replica failed)."""
-    extra = {"log": log} if cfg.rollout.continuous else {}
+    extra = ({"log": log, "prompts_per_call": cfg.rollout.prompts_per_call}
+             if cfg.rollout.continuous else {})  # fmt: skip
     kind = ContinuousProducer if cfg.rollout.continuous else RolloutProducer
     return kind(
         pool,

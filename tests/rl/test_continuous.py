@@ -135,14 +135,16 @@ def test_calls_go_where_there_is_room_and_never_beyond_it():
         check_complete(rollout.batch_index, rollout.samples, PROMPTS, N)
 
 
-@pytest.mark.parametrize("die_after", [1, 5])
-def test_a_replica_dying_mid_batch_loses_and_doubles_no_sample(die_after):
+@pytest.mark.parametrize(("die_after", "per_call"), [(1, 1), (5, 1), (5, 3)])
+def test_a_replica_dying_mid_batch_loses_and_doubles_no_sample(die_after, per_call):
     """A dies after `die_after` completions (so a prompt of it has some of its samples sent):
-    its unfinished prompts start again on B whole; every batch has each (prompt, sample) once."""
+    its unfinished calls start again on B whole (`per_call` prompts each); every batch has each
+    (prompt, sample) once."""
     a = FakeGenerator(capacity=8, tag=1.0, die_after=die_after, workers=16)
     b = FakeGenerator(capacity=8, tag=2.0, workers=16)
     logged = []
-    pool, producer = start([a, b], max_staleness=3, end_batch=4, log=logged.append)
+    pool, producer = start([a, b], max_staleness=3, end_batch=4, log=logged.append,
+                           prompts_per_call=per_call)  # fmt: skip
     try:
         batches = [producer.next(WAIT_S) for _ in range(4)]
         metrics = pool.metrics()
@@ -373,3 +375,33 @@ def test_closing_gives_back_every_lease():
         pool.close()
         replica.stop()
     assert in_use == 0, f"{in_use} slots still leased after close"
+
+
+def test_a_call_of_several_prompts_takes_consecutive_ones_and_keeps_each_prompt_s_seed():
+    """`prompts_per_call` 3 of 4 prompts: each batch is the calls [0, 1, 2] and [3]; each
+    sample goes to its own prompt; a prompt's per-request seed is the one a call of its own
+    would have (the call's seed + its place × n: `GenerateRequest.seed_per_request`); a call
+    holds 3 × n slots."""
+    replica = FakeGenerator(capacity=64, workers=16)
+    pool, producer = start([replica], max_staleness=1, end_batch=2, generation_seed=5,
+                           prompts_per_call=3)  # fmt: skip
+    try:
+        batches = [producer.next(WAIT_S) for _ in range(2)]
+    finally:
+        producer.close()
+        pool.close()
+        replica.stop()
+    calls = sorted([tuple(p.token_ids) for p in r.prompts] for r in replica.requests)
+    assert calls == [[(0, 0), (0, 1), (0, 2)], [(0, 3)], [(1, 0), (1, 1), (1, 2)], [(1, 3)]]
+    for rollout in batches:
+        check_complete(rollout.batch_index, rollout.samples, PROMPTS, N)
+        for s in rollout.samples:
+            assert s.token_ids == (rollout.batch_index, s.prompt_index, s.sample_index)
+    for request in replica.requests:
+        for place, prompt in enumerate(request.prompts):
+            batch, p = prompt.token_ids
+            alone = ((5 * 1_000_003 + batch) * 65_537 + p * N) % (1 << 63)
+            assert request.seed + place * N == alone
+    with pytest.raises(ValueError, match="prompts_per_call must be >= 1"):
+        ContinuousProducer(pool, prompts_for_batch, {"n": N}, 1, start_batch=0,
+                           served_version=0, end_batch=1, prompts_per_call=0)  # fmt: skip
