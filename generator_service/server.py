@@ -35,6 +35,7 @@ from generator_service.engine import GeneratorEngine
 from generator_service.engine_config import EngineConfig
 from generator_service.memory import keep_freed_memory
 from generator_service.requests import GenerateError, Sampling
+from generator_service.updates.adapter import LoraSettings
 from generator_service.updates.apply import Applied, UpdateApplier
 from generator_service.updates.receive_shared import SharedFile, SharedUpdates
 from generator_service.updates.receive_stream import StreamedUpdates
@@ -133,19 +134,11 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
         self, request: generator_pb2.SharedWeights, context
     ) -> generator_pb2.UpdateWeightsResponse:
         """Swaps in an update the learner wrote into a file of the shared folder, from this host
-        only (updates/receive_shared.py)."""
+        only (updates/receive_shared.py): the model's weights, or in "lora" mode an adapter
+        (`lora` set)."""
         if self._engine.weight_specs is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, self._engine.weight_specs_error
-            )
-        if self._engine.config.lora or request.HasField("lora"):
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "UpdateWeightsShared does not carry LoRA adapters (yet): stream the adapter "
-                "with UpdateWeights (WeightChunk.lora)"
-                if self._engine.config.lora
-                else "this server takes full weights only, not LoRA adapters: start it with "
-                "--max-lora-rank to serve adapters",
             )
         if not is_local_peer(context.peer()):
             await context.abort(
@@ -160,6 +153,7 @@ class GeneratorServicer(generator_pb2_grpc.GeneratorServicer):
             allow_rollback=request.allow_rollback,
             progressive=request.progressive,
             update_id=request.update_id,
+            lora=LoraSettings.of(request.lora) if request.HasField("lora") else None,
         )
         try:
             return _response(await self._shared.apply(shared))

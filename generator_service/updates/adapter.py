@@ -1,14 +1,16 @@
 """What a LoRA adapter update must be ("lora" mode), and its folder in PEFT's layout.
 
-An adapter update (WeightChunk.lora set) carries, for every decoder layer of the served model
-and every target module of its `LoraSettings`, PEFT's two factors: `lora_A` [rank, in] and
-`lora_B` [out, rank], named `base_model.model.model.layers.{i}.{self_attn|mlp}.{t}.lora_A.weight`
-(`adapter_specs`, derived from the served model's safetensors headers). It goes through the
-same assembly and checks as a full update (assemble.py: names, shapes, dtypes, each tensor
-once and complete); its values must also be finite. It is then written, as vLLM loads an
-adapter (`adapter_model.safetensors` + `adapter_config.json`), into a folder of its own, made
-under a temporary name and renamed (`write_adapter_folder`): vLLM reads the folder when the
-adapter is added, and again whenever it reloads an adapter evicted from its cache.
+An adapter update (WeightChunk.lora or SharedWeights.lora set) carries, for every decoder
+layer of the served model and every target module of its `LoraSettings`, PEFT's two factors:
+`lora_A` [rank, in] and `lora_B` [out, rank], named
+`base_model.model.model.layers.{i}.{self_attn|mlp}.{t}.lora_A.weight` (`adapter_specs`, derived
+from the served model's safetensors headers). It goes through the same checks as a full update
+(streamed: assemble.py; in a shared file: tensors.py `check_shared_layout`; names, shapes,
+dtypes, each tensor once and complete); its values must also be finite. It is then written, as
+vLLM loads an adapter (`adapter_model.safetensors` + `adapter_config.json`), into a folder of
+its own, made under a temporary name and renamed (`write_adapter_folder`, reading either update
+file): vLLM reads the folder when the adapter is added, and again whenever it reloads an
+adapter evicted from its cache.
 
 Only Llama's seven linear layers may be targets (vLLM's packed q/k/v and gate/up take them as
 PEFT names them); embeddings and the head are not (tied in the served models). Pure Python
@@ -128,7 +130,8 @@ def update_specs(
         raise WeightUpdateError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"this server takes LoRA adapters only (started with --max-lora-rank "
-            f"{max_lora_rank}), not full weights: set WeightChunk.lora"
+            f"{max_lora_rank}), not full weights: set the update's lora (WeightChunk.lora "
+            "or SharedWeights.lora)"
             if max_lora_rank
             else "this server takes full weights only, not LoRA adapters: start it with "
             "--max-lora-rank to serve adapters",

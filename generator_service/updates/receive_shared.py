@@ -5,6 +5,12 @@
   shared folder (the update folder), whose layout is checked against the served model before
   the engine sees it (tensors.py: `shared_file_path`, `check_shared_layout`).
 - One update at a time, under the same lock as streamed ones (apply.py).
+- An adapter (SharedWeights.lora, "lora" mode) is laid out and checked as a streamed one: the
+  tensors its settings call for (updates/adapter.py), then swapped in as an adapter
+  (updates/adapters.py: its folder written from the file, `add_lora`, no pause); an update of
+  the other kind than the server takes is refused (FAILED_PRECONDITION) before the file is
+  read. A progressive adapter is followed as any progressive update, and loaded once every
+  tensor is written (adapters are never preloaded).
 - A `progressive` update is sent before the file is written: the learner counts the tensors
   written in the file's first bytes (`jaxrlhf_wire.files`; a count is read under the file's
   lock, never torn nor before the tensors it counts). The server reads the count every
@@ -31,6 +37,7 @@ import grpc
 
 from generator_service import failpoints
 from generator_service.status import SwapTimes
+from generator_service.updates.adapter import LoraSettings
 from generator_service.updates.apply import Applied, UpdateApplier
 from generator_service.updates.swap import finish_despite_cancellation
 from generator_service.updates.tensors import (
@@ -58,6 +65,7 @@ class SharedFile:
     allow_rollback: bool
     progressive: bool
     update_id: str
+    lora: LoraSettings | None = None  # set: the update is an adapter ("lora" mode)
 
 
 class SharedUpdates:
@@ -87,9 +95,10 @@ class SharedUpdates:
         seconds = time.monotonic() - started
         num_bytes = sum(tensor.nbytes for tensor in tensors)
         logger.info(
-            "policy_version %d live: %d tensors, %d bytes from shared file %s%s, %.2fs "
+            "policy_version %d live: %s%d tensors, %d bytes from shared file %s%s, %.2fs "
             "(preloaded by %.2fs, paused %.2fs)",
             request.policy_version,
+            "adapter, " if request.lora else "",
             len(tensors),
             num_bytes,
             path,
@@ -106,9 +115,10 @@ class SharedUpdates:
         """Under the update lock: the file checked (and followed, when progressive) and
         swapped in; (its path, its tensors, the swap's times)."""
         engine = self._engine
+        specs = engine.update_specs(request.lora)  # an adapter's, in "lora" mode
         path = shared_file_path(request.path, engine.update_dir)
         tensors = check_shared_layout(
-            engine.weight_specs,
+            specs,
             engine.policy_version,
             request.policy_version,
             request.tensors,
@@ -130,7 +140,7 @@ class SharedUpdates:
             handed, preload_id = preload_id, 0  # the swap drops it from here on
             swap = await self._applier.apply(
                 path, tensors, request.policy_version, request.allow_rollback, handed,
-                request.update_id, checked_seconds,
+                request.update_id, checked_seconds, lora=request.lora,
             )  # fmt: skip
         finally:
             if preload_id:  # begun, and the update ended before its swap

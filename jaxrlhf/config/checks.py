@@ -173,7 +173,7 @@ def _check_generator(config: ml_collections.ConfigDict) -> None:
 
 def _check_lora_serving(config: ml_collections.ConfigDict) -> None:
     """generator.swap_mode "lora" (adapters published alone): a LoRA run, of a rank a server
-    can be started with, streamed."""
+    can be started with (over any weight transport: streamed or in the shared file)."""
     if config.generator.swap_mode != "lora":
         return
     rank = config.model.lora.rank
@@ -181,11 +181,6 @@ def _check_lora_serving(config: ml_collections.ConfigDict) -> None:
         isinstance(rank, int) and 0 < rank <= max(LORA_RANKS),
         f'config.generator.swap_mode="lora" serves LoRA adapters: it needs '
         f"config.model.lora.rank in 1..{max(LORA_RANKS)} (got {rank!r})",
-    )
-    _require(
-        config.generator.weight_transport != "shared",
-        'config.generator.swap_mode="lora" streams its adapters (a few MB): '
-        'config.generator.weight_transport="shared" does not carry them; use "auto" or "stream"',
     )
 
 

@@ -105,8 +105,8 @@ class WeightDelivery:
         rejoining replica always does, and always gets the update, whatever version it reports
         (it takes the current weights whatever it served: module docstring).
         `transport`: this publish's, instead of the pool's (`sender_transport`). `lora` (a
-        `generator_pb2.LoraAdapter`): the tensors are a LoRA adapter for "lora" servers, always
-        streamed (a few MB; the shared file does not carry adapters).
+        `generator_pb2.LoraAdapter`): the tensors are a LoRA adapter for "lora" servers, sent
+        as the model's weights would be (streamed, or in the shared file laid out as `specs`).
         Raises GeneratorError when no replica took it and none can come back (module
         docstring), or one refused it as malformed."""
         started = time.perf_counter()
@@ -129,8 +129,6 @@ class WeightDelivery:
         pending = [r for r in targets if r not in already]
         delivery = _Delivery(swapped=[r.target for r in already])
         if pending:
-            if transport is None and lora is not None:
-                transport = StreamTransport(self.settings.chunk_bytes)
             self._deliver(pending, transport or self._transport_for(specs), tensor_stream,
                           update, delivery)  # fmt: skip
         if targets and not delivery.swapped and not rejoining_only:

@@ -111,7 +111,8 @@ def publish_adapter(learner: Learner, pool, version: int, dtype: str | None, rol
     to generators in "lora" mode (`generator.swap_mode`), which load it beside the base with no
     pause. Its tensors are PEFT's (A [rank, in], B [out, rank]; `lora.adapter_tensors`), a few
     MB: over several processes every process gathers each factor whole (`to_host`, in step),
-    then the driver streams them."""
+    then the driver sends them through the pool's transport: streamed, or written into the
+    shared file (laid out for the adapter's tensors, `specs`)."""
     from jaxrlhf.fleet.rpc import generator_pb2
 
     adapter = learner.state.params["policy"] if params is None else params
@@ -120,10 +121,11 @@ def publish_adapter(learner: Learner, pool, version: int, dtype: str | None, rol
     tensors = lora_lib.adapter_tensors(config, host, numpy_dtype(dtype) if dtype else None)
     header = generator_pb2.LoraAdapter(rank=config.lora_rank, alpha=config.lora_alpha,
                                        target_modules=list(config.lora_targets))  # fmt: skip
+    specs = [(name, tuple(array.shape), array.dtype) for name, array in tensors.items()]
 
     def send(stream):
         return pool.publish_weights(
-            stream, len(tensors), version, allow_rollback=rollback,
+            stream, len(tensors), version, allow_rollback=rollback, specs=specs,
             rejoining_only=rejoining_only, lora=header,
         )  # fmt: skip
 

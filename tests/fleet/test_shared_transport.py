@@ -19,6 +19,7 @@ import pytest
 
 from generator_service.engine import SwapTimes
 from generator_service.server import GeneratorServicer, add_generator_service
+from generator_service.updates.adapter import update_specs
 from generator_service.updates.tensors import TensorSpec
 from jaxrlhf.fleet.rpc import GeneratorClient
 from jaxrlhf.fleet.transport import SharedFileTransport, WeightUpdate
@@ -65,6 +66,10 @@ class StubEngine:
         self.update_id = ""
         self.config = SimpleNamespace(lora=False)  # a full-weights server
         self.swapped: list[tuple[int, dict[str, np.ndarray]]] = []
+
+    def update_specs(self, lora) -> dict[str, TensorSpec]:
+        """The tensors an update must carry (the engine's: a full-weights server's)."""
+        return update_specs(self.weight_specs, lora, max_lora_rank=0)
 
     async def swap_weights(self, path, preloaded, policy_version, allow_rollback=False,
                            preload_id=0, update_id="", lora=None) -> SwapTimes:  # fmt: skip

@@ -2,7 +2,10 @@
 update is an adapter, loaded with no pause; its greedy tokens are those of the merged model
 (transformers, W + s B A); every token is tagged with its adapter's version; a malformed adapter
 is refused with the served one untouched; a call running when the next adapter is published
-finishes on its own, which is unloaded (and its folder deleted) once the call has ended.
+finishes on its own, which is unloaded (and its folder deleted) once the call has ended. The
+same adapter written into a shared file (UpdateWeightsShared with `lora`, as the learner's
+shared-file transport writes it, progressively too) serves the same tokens as streamed, and a
+malformed one is refused there as well.
 
 One server for the module (an engine start is ~25 s); the tests publish versions in turn, each
 one newer than the served version it reads first."""
@@ -22,6 +25,7 @@ from jaxrlhf_wire.chunks import encode_weight_chunks
 from jaxrlhf_wire.stubs import generator_pb2
 from tests.generator_service.conftest import GREEDY_PROMPTS
 from tests.generator_service.test_adapter_specs import merge
+from tests.generator_service.test_shared_weights import SHARED_MALFORMED, _outside, _shared_file
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,11 +67,14 @@ def random_adapter(tiny_llama, settings: LoraSettings, seed: int) -> dict[str, n
     return {n: (rng.standard_normal(s.shape) * 0.3).astype(np.float32) for n, s in specs.items()}
 
 
+def lora_message(settings: LoraSettings) -> generator_pb2.LoraAdapter:
+    return generator_pb2.LoraAdapter(rank=settings.rank, alpha=settings.alpha,
+                                     target_modules=settings.target_modules,
+                                     use_rslora=settings.use_rslora)  # fmt: skip
+
+
 def publish(client, tensors, settings: LoraSettings, version: int, **header):
-    message = generator_pb2.LoraAdapter(rank=settings.rank, alpha=settings.alpha,
-                                        target_modules=settings.target_modules,
-                                        use_rslora=settings.use_rslora)  # fmt: skip
-    chunks = encode_weight_chunks(tensors, version, 1 << 14, lora=message, **header)
+    chunks = encode_weight_chunks(tensors, version, 1 << 14, lora=lora_message(settings), **header)
     return client.update_weights_encoded(chunks)
 
 
@@ -115,10 +122,11 @@ def test_the_status_says_lora_and_the_base_serves_as_version_0(
         lora_client.update_weights(base_weights, 1)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "takes LoRA adapters only" in refused.value.details()
-    with pytest.raises(grpc.RpcError) as refused:
-        lora_client.update_weights_shared(generator_pb2.SharedWeights(policy_version=1))
+    with _shared_file(lora_client, base_weights) as shared:
+        with pytest.raises(grpc.RpcError) as refused:
+            lora_client.update_weights_shared(shared.request(1))
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "does not carry LoRA adapters" in refused.value.details()
+    assert "takes LoRA adapters only" in refused.value.details()
     assert lora_client.status().policy_version == 0
 
 
@@ -138,6 +146,26 @@ def test_an_adapter_serves_the_merged_model_tagged_with_its_version(
     assert status.policy_version == version and status.num_updates >= 1
 
 
+V_PROJ_B = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+
+
+def serving_an_adapter(client, reference, base_weights, tiny_llama) -> int:
+    """The served version, once an adapter serves (published here when the base still serves:
+    a test run alone)."""
+    if client.status().policy_version == 0:
+        test_an_adapter_serves_the_merged_model_tagged_with_its_version(
+            client, reference, base_weights, tiny_llama
+        )
+    return client.status().policy_version
+
+
+def with_value(tensors: dict, name: str, value: float) -> dict:
+    """`tensors` with the first element of tensor `name` (a copy) set to `value`."""
+    changed = {**tensors, name: tensors[name].copy()}
+    changed[name][0, 0] = value
+    return changed
+
+
 def _refused(client, tensors, settings, version, code, problem) -> None:
     with pytest.raises(grpc.RpcError) as refused:
         publish(client, tensors, settings, version)
@@ -148,21 +176,15 @@ def _refused(client, tensors, settings, version, code, problem) -> None:
 def test_a_malformed_adapter_is_refused_and_the_served_one_keeps_serving(
     lora_client, reference, base_weights, tiny_llama
 ):
-    served = lora_client.status().policy_version
-    if served == 0:  # (this test alone): an adapter to keep serving
-        test_an_adapter_serves_the_merged_model_tagged_with_its_version(
-            lora_client, reference, base_weights, tiny_llama
-        )
-        served = lora_client.status().policy_version
+    served = serving_an_adapter(lora_client, reference, base_weights, tiny_llama)
     before = greedy(lora_client)
     version = served + 1
     settings = LoraSettings(4, 8.0, ("q_proj", "v_proj"))
     good = random_adapter(tiny_llama, settings, seed=version)
-    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    name = V_PROJ_B
     missing = {k: v for k, v in good.items() if k != name}
     invalid = grpc.StatusCode.INVALID_ARGUMENT
-    nan = {**good, name: good[name].copy()}
-    nan[name][0, 0] = np.nan
+    nan = with_value(good, name, np.nan)
     cases = [
         (good, LoraSettings(16, 8.0, settings.target_modules), invalid, "adapter rank 16"),
         (good, LoraSettings(4, 8.0, ("q_proj", "embed_tokens")), invalid, "'embed_tokens'"),
@@ -224,3 +246,91 @@ def test_a_call_running_at_a_publish_finishes_on_its_adapter_which_is_unloaded_a
     while list(root.glob(f"v{old}-*")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [p.name.split("-")[0] for p in root.iterdir()] == [f"v{new}"]
+
+
+def test_an_adapter_in_the_shared_file_serves_as_the_same_adapter_streamed(
+    lora_client, reference, base_weights, tiny_llama
+):
+    """UpdateWeightsShared with `lora`: the file's adapter serves the merged model, the same
+    tokens as the same adapter streamed; and as the learner's transport writes it (the request
+    first, the file counted as it is written: `progressive`)."""
+    from jaxrlhf.fleet.transport import SharedFileTransport, WeightUpdate
+
+    version = lora_client.status().policy_version + 1
+    settings = LoraSettings(4, 8.0, ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
+    adapter = random_adapter(tiny_llama, settings, seed=100 + version)
+    with _shared_file(lora_client, adapter) as shared:
+        request = shared.request(version, update_id="shared-adapter", lora=lora_message(settings))
+        response = lora_client.update_weights_shared(request)
+    assert (response.policy_version, response.num_tensors) == (version, 2 * 5 * 2)
+    assert response.num_bytes == sum(tensor.nbytes for tensor in adapter.values())
+    assert response.pause_seconds == 0.0
+    assert lora_client.status().update_id == "shared-adapter"
+    tokens = assert_served(lora_client, reference, merge(base_weights, adapter, settings), version)
+    assert tokens != [reference.greedy(base_weights, p, MAX_TOKENS) for p in GREEDY_PROMPTS]
+    assert publish(lora_client, adapter, settings, version + 1).policy_version == version + 1
+    assert [list(c.token_ids) for c in greedy(lora_client)] == tokens
+    specs = [(name, tensor.shape, tensor.dtype) for name, tensor in adapter.items()]
+    folder = lora_client.status().shared_weights_dir
+    transport = SharedFileTransport(folder, specs, progressive=True)
+    update = WeightUpdate(version + 2, len(adapter), lora=lora_message(settings))
+    try:
+        outcomes = transport.send([lora_client], lambda: iter(adapter.items()), update, 60)
+    finally:
+        transport.close()
+    assert not isinstance(outcomes[lora_client], grpc.RpcError), outcomes[lora_client]
+    assert outcomes[lora_client].policy_version == version + 2
+    assert [list(c.token_ids) for c in greedy(lora_client)] == tokens
+    assert wait_for_adapters(lora_client, [version + 2]).policy_version == version + 2
+
+
+def _gave_up(shared, request):
+    from jaxrlhf_wire.files import PROGRESS_ABANDONED
+
+    shared._count(PROGRESS_ABANDONED)
+    request.progressive = True
+    return request
+
+
+def test_a_malformed_shared_adapter_is_refused_and_the_served_one_keeps_serving(
+    lora_server, lora_client, reference, base_weights, tiny_llama, tmp_path
+):
+    served = serving_an_adapter(lora_client, reference, base_weights, tiny_llama)
+    before = greedy(lora_client)
+    version = served + 1
+    settings = LoraSettings(4, 8.0, ("q_proj", "v_proj"))
+    good = random_adapter(tiny_llama, settings, seed=200 + version)
+    inf = with_value(good, V_PROJ_B, np.inf)
+    invalid, precondition = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+    layouts = ("truncated file", "outside the folder", "wrong shape", "missing tensor",
+               "stale version")  # fmt: skip
+    cases = [(good, settings, *SHARED_MALFORMED[case]) for case in layouts]
+    cases += [
+        (inf, settings, None, invalid, f"tensor {V_PROJ_B} holds non-finite"),
+        (good, LoraSettings(16, 8.0, settings.target_modules), None, invalid, "adapter rank 16"),
+        (good, LoraSettings(4, 8.0, ("q_proj", "lm_head")), None, invalid, "'lm_head'"),
+        (good, None, None, precondition, "takes LoRA adapters only"),
+        (good, settings, _gave_up, grpc.StatusCode.ABORTED, "gave up"),
+    ]
+    for tensors, header, build, code, problem in cases:
+        with _shared_file(lora_client, tensors) as shared:
+            lora = lora_message(header) if header else None
+            request = shared.request(version, lora=lora)
+            if build is not None:
+                args = (shared, request, tmp_path) if build is _outside else (shared, request)
+                request = build(*args)
+            with pytest.raises(grpc.RpcError) as refused:
+                lora_client.update_weights_shared(request)
+        assert refused.value.code() == code, refused.value.details()
+        assert problem in refused.value.details()
+        status = lora_client.status()
+        assert status.policy_version == served and list(status.adapter_versions) == [served]
+    (root,) = lora_server.update_dir.glob("jaxrlhf-lora-*")
+    assert [p.name.split("-")[0] for p in root.iterdir()] == [f"v{served}"]  # nothing left
+    after = greedy(lora_client)
+    assert [list(c.token_ids) for c in after] == [list(c.token_ids) for c in before]
+    assert {v for c in after for v in c.token_policy_versions} == {served}
+    with _shared_file(lora_client, good) as shared:
+        request = shared.request(version, lora=lora_message(settings))
+        assert lora_client.update_weights_shared(request).policy_version == version
+    assert_served(lora_client, reference, merge(base_weights, good, settings), version)

@@ -232,12 +232,19 @@ def _stale(shared, request):
     return request
 
 
+def _adapter(shared, request):
+    request.lora.rank, request.lora.alpha = 4, 8.0
+    request.lora.target_modules.append("q_proj")
+    return request
+
+
 SHARED_MALFORMED = {
     "truncated file": (_truncate, grpc.StatusCode.DATA_LOSS, "past the end of the shared file"),
     "outside the folder": (_outside, grpc.StatusCode.FAILED_PRECONDITION, "shared folder"),
     "wrong shape": (_wrong_shape, grpc.StatusCode.INVALID_ARGUMENT, "has shape"),
     "missing tensor": (_missing, grpc.StatusCode.INVALID_ARGUMENT, "num_tensors is"),
     "stale version": (_stale, grpc.StatusCode.FAILED_PRECONDITION, "is not newer than"),
+    "an adapter": (_adapter, grpc.StatusCode.FAILED_PRECONDITION, "takes full weights only"),
 }
 
 

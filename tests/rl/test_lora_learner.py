@@ -94,6 +94,19 @@ def test_bad_lora_settings_are_refused_in_one_line(tiny_llama, key, value, messa
         validate(resolve(config))
 
 
+@pytest.mark.parametrize("transport", ["auto", "stream", "shared"])
+def test_adapters_go_to_lora_generators_over_any_weight_transport(tiny_llama, transport):
+    """generator.swap_mode="lora" takes every weight transport (the shared file carries
+    adapters too); it still needs a LoRA rank a server can be started with."""
+    config = lora_config(tiny_llama)
+    config.generator.swap_mode, config.generator.weight_transport = "lora", transport
+    validate(resolve(config))
+    for rank in (0, 1024):
+        config.model.lora.rank = rank
+        with pytest.raises(ValueError, match='swap_mode="lora" serves LoRA adapters'):
+            validate(resolve(config))
+
+
 def test_a_lora_checkpoint_resumes_the_adapters_and_their_optimizer(tiny_llama, tmp_path):
     """An Orbax checkpoint of a LoRA run holds the adapters and Adam's state for them; a new
     learner on the same base restores them exactly, and its next update equals the first

@@ -4,8 +4,9 @@ differ from the start, so every update moves the adapters): the versions are the
 the generator serves exactly the adapted policy (the merged weights the learner publishes): in
 a synchronous run the sampler's log-probs equal the learner's own after every publish. The same
 through a generator in "lora" mode (`generator.swap_mode`), which takes each version as an
-adapter alone (a fraction of the full update's bytes) and serves it over its base. And a LoRA
-run learns that task, as full fine-tuning does (test_learning)."""
+adapter alone (a fraction of the full update's bytes), streamed or written into the shared file
+(`generator.weight_transport`; "auto" picks the file for this host's generator), and serves it
+over its base. And a LoRA run learns that task, as full fine-tuning does (test_learning)."""
 
 import json
 
@@ -30,18 +31,25 @@ def lora_run_config(output_dir, staleness: int, steps: int, learning_rate: float
 
 
 def run_lora(config, tiny_llama, address):
+    """(the version served before, after, the run's result, the name of the transport its
+    publishes went through)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
-    pool = GeneratorPool([address])
+    pool = GeneratorPool([address], transport=config.generator.weight_transport)
     try:
         base = pool.wait_until_serving()[0].policy_version
         result = run_rlhf(config, tiny_llama, target_task(tokenizer), pool, lambda message: None)
         final = pool.wait_until_serving()[0].policy_version
+        transport = pool.delivery.transport
     finally:
         pool.close()
-    return base, final, result
+    return base, final, result, transport.name if transport is not None else None
 
 
 MODES = ["sync", "one-step-off", "continuous"]
+# The weight transport of each mode's run through the "lora" generator, and the one it takes
+# (this host's generator: "auto" picks the shared file).
+TRANSPORTS = {"sync": ("shared", "shared"), "one-step-off": ("stream", "stream"),
+              "continuous": ("auto", "shared")}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -58,10 +66,14 @@ def test_a_lora_run_publishes_adapters_alone_to_a_lora_generator(
     mode, tiny_llama, lora_generator, tmp_path
 ):
     """generator.swap_mode="lora": each publish is the adapter alone, `weight_sync_bytes` its
-    PEFT tensors' (rank x (in + out) a target and layer, float32), under 1/10 of the model; the
-    generator serves it over the base exactly (in sync, the sampler's log-probs are the
-    learner's), each sample tagged with its adapter's version."""
-    config = check_lora_run(mode, tiny_llama, lora_generator, tmp_path, swap_mode="lora")
+    PEFT tensors' (rank x (in + out) a target and layer, float32), under 1/10 of the model,
+    through the mode's weight transport (`TRANSPORTS`: the shared file in sync); the generator
+    serves it over the base exactly (in sync, the sampler's log-probs are the learner's), each
+    sample tagged with its adapter's version."""
+    transport, taken = TRANSPORTS[mode]
+    config, used = check_lora_run(mode, tiny_llama, lora_generator, tmp_path, swap_mode="lora",
+                                  transport=transport)  # fmt: skip
+    assert used == taken
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     sent = [json.loads(line)["weight_sync_bytes"] for line in lines]
     model = transformers.AutoConfig.from_pretrained(tiny_llama)
@@ -81,13 +93,15 @@ def test_a_lora_run_publishes_adapters_alone_to_a_lora_generator(
     assert status.swap_mode == "lora" and status.policy_version in status.adapter_versions
 
 
-def check_lora_run(mode, tiny_llama, address, tmp_path, swap_mode="drain"):
+def check_lora_run(mode, tiny_llama, address, tmp_path, swap_mode="drain", transport="auto"):
+    """The run's config and the name of the transport its publishes went through."""
     staleness = 0 if mode == "sync" else 1
     config = lora_run_config(tmp_path, staleness, 4, 5e-3)
     config.rollout.continuous = mode == "continuous"
     config.generator.max_model_len = 64
     config.generator.swap_mode = swap_mode
-    base, final, result = run_lora(config, tiny_llama, address)
+    config.generator.weight_transport = transport
+    base, final, result, used = run_lora(config, tiny_llama, address)
     check_versions(base, final, result, staleness, config.total_steps)
     records = result.metrics
     assert all(np.isfinite(r["loss"]) for r in records)
@@ -99,7 +113,7 @@ def check_lora_run(mode, tiny_llama, address, tmp_path, swap_mode="drain"):
         published = [r for r in records if r["step"] > 1]
         assert max(r["logprob_gap"] for r in published) < 1e-3
         assert max(abs(r["kl"]) for r in published) > 1e-3
-    return config
+    return config, used
 
 
 @pytest.mark.slow

@@ -1,11 +1,12 @@
 """Same-host weight sync: the learner writes the update into a file that the server maps.
 
 A learner and a generator on one host need not push the weights through a socket at all.
-`SharedWeightsFile` lays the Hugging Face tensors out in one file in the server's shared folder
-(`GeneratorStatus.shared_weights_dir`, normally /dev/shm, i.e. memory), page-aligned and in a
-fixed order, and `write` puts each converted tensor straight into its region (the conversion's
-one copy is the only one); `UpdateWeightsShared` then sends only where each tensor lies, and the
-engine loads views of the file. The file is created once and rewritten in place by every update
+`SharedWeightsFile` lays the Hugging Face tensors (or a LoRA adapter's, by PEFT's names) out in
+one file in the server's shared folder (`GeneratorStatus.shared_weights_dir`, normally
+/dev/shm, i.e. memory), page-aligned and in a fixed order, and `write` puts each converted
+tensor straight into its region (the conversion's one copy is the only one);
+`UpdateWeightsShared` then sends only where each tensor lies, and the engine loads views of the
+file. The file is created once and rewritten in place by every update
 (its pages stay allocated), and deleted by `close`; files of dead learners (whose lock no
 process holds, whatever its PID namespace: `jaxrlhf_wire.files`) are removed when a new one is
 created. Memory: the file is one copy of the model in /dev/shm, and it takes the
@@ -183,16 +184,18 @@ class SharedWeightsFile:
         return written
 
     def request(self, policy_version: int, allow_rollback: bool = False,
-                progressive: bool = False, update_id: str = ""):  # fmt: skip
+                progressive: bool = False, update_id: str = "", lora=None):  # fmt: skip
         """The UpdateWeightsShared request that points a server at this file (`progressive`:
         sent before the file is written, see the module docstring; `update_id`:
-        SharedWeights.update_id)."""
+        SharedWeights.update_id; `lora`, a `generator_pb2.LoraAdapter`: the file holds that
+        adapter's tensors, for a "lora" server)."""
         return generator_pb2.SharedWeights(
             policy_version=policy_version,
             path=self.path,
             allow_rollback=allow_rollback,
             progressive=progressive,
             update_id=update_id,
+            lora=lora,
             tensors=[
                 generator_pb2.SharedTensor(
                     name=name, dtype=str(dtype), shape=shape, position=position

@@ -7,6 +7,10 @@ the tensors lie: no weight byte crosses a socket. The file holds one
 version: a later attempt for the same version (a retry, a replica rejoining) is sent the same
 file without converting anything again.
 
+The tensors are those of `specs`: the model's, or in a run publishing adapters to "lora"
+servers (`WeightUpdate.lora`) the adapter's PEFT tensors, a few MB; the request then carries
+the adapter's settings (SharedWeights.lora).
+
 `progressive` (every replica's status says `shared_progress`): a new version's request goes out
 before the file is written, and the file counts the tensors written as they are
 (`SharedWeightsFile.write(..., progress=True)`), so that the replicas preload the layers already
@@ -62,7 +66,8 @@ class SharedFileTransport(WeightTransport):
             else:
                 write(self._file)
             self._version = version
-        request = self._file.request(version, update.allow_rollback, update_id=update.update_id)
+        request = self._file.request(version, update.allow_rollback,
+                                     update_id=update.update_id, lora=update.lora)  # fmt: skip
         with _calls(clients) as calls:
             futures = {
                 client: calls.submit(client.update_weights_shared, request, timeout)
@@ -77,7 +82,8 @@ class SharedFileTransport(WeightTransport):
         the error is raised once they have answered."""
         self._file.begin_progress()
         request = self._file.request(update.policy_version, update.allow_rollback,
-                                     progressive=True, update_id=update.update_id)  # fmt: skip
+                                     progressive=True, update_id=update.update_id,
+                                     lora=update.lora)  # fmt: skip
         with _calls(clients) as calls:
             futures = {
                 client: calls.submit(client.update_weights_shared, request, timeout)
