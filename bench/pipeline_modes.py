@@ -3,6 +3,7 @@
     python bench/pipeline_modes.py --workload long-tail   # tiny Llama, heavy-tailed lengths
     python bench/pipeline_modes.py --workload default     # the offline default (SmolLM2)
     python bench/pipeline_modes.py --workload balanced    # SmolLM2 with g about t
+    python bench/pipeline_modes.py --workload bed --prompts-per-call 8   # the claims' bed
     python bench/pipeline_modes.py --analyze-only         # recompute from the runs in --out
 
 The same workload runs once per mode (`--modes`) and repeat (`--repeats`; the order of the
@@ -18,7 +19,8 @@ starts its service again), or run against the running service `--generators` giv
 - `one-step-off`: max_staleness 1 (`--max-staleness`), drain swaps, one call per batch (the
   paper's async mode);
 - `continuous`: max_staleness 1 (`--max-staleness`), in-flight swaps (KV kept),
-  `rollout.continuous` (prompt by prompt, several batches in flight as the bound allows).
+  `rollout.continuous` (prompt by prompt, several batches in flight as the bound allows;
+  `--prompts-per-call K`: K consecutive prompts a call, `rollout.prompts_per_call`).
 
 Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to every run):
 
@@ -33,6 +35,8 @@ Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to every run):
   learner compiled), and g grows with the rounds of sequences the capacity allows while t does
   not depend on it, so a capacity of 2 doubles g to about t. The sync runs of the bench measure
   both (printed as the ideal).
+- `bed`: `configs/bed.py`, the claims' test bed (64 prompts x 8 samples of answers about 4
+  tokens long): a batch is many tiny calls in continuous generation, one in the others.
 - `long-tail`: `configs/tiny.py` on the tiny Llama with 1024 positions (`model.path=tiny-long`),
   each prompt's response budget drawn from a Pareto law of shape 1.0 and minimum 32 tokens,
   capped at 448 (`rollout.length_law=pareto:1.0:32`; P(a budget reaches the cap) = 32/448; the
@@ -90,6 +94,7 @@ MODES = {  # name -> overrides
 }  # fmt: skip
 WORKLOADS = {  # name -> (model, overrides)
     "default": ("smollm2", {}),
+    "bed": ("bed", {}),
     "balanced": (
         "smollm2",
         {
@@ -195,6 +200,7 @@ def overrides_for(args, mode: str, folder: Path, workload: dict[str, Any]) -> di
         **workload,
         **MODES[mode],
         **({"max_staleness": args.max_staleness} if mode != "sync" else {}),
+        **({"rollout.prompts_per_call": args.prompts_per_call} if mode == "continuous" else {}),
         **placement_overrides(args.model, args.cpus_generator, args.cpus_learner),
     }
 
@@ -209,6 +215,8 @@ def main() -> None:
                         "modes (sync: 0)")  # fmt: skip
     parser.add_argument("--modes", default=",".join(MODES), help="sync first, then any of the "
                         "others")  # fmt: skip
+    parser.add_argument("--prompts-per-call", type=int, default=1, help="continuous mode's "
+                        "prompts per Generate call (rollout.prompts_per_call)")  # fmt: skip
     args, passthrough, given = parse_timed_run_args(parser)
     model, workload = WORKLOADS[args.workload]
     args.model = args.model or model
@@ -230,6 +238,7 @@ def main() -> None:
         "modes": modes,
         "overrides": {**workload, **passthrough},
         "repeats": args.repeats,
+        "prompts_per_call": args.prompts_per_call,
         **compare(per_run),
     }
     (out / "results.json").write_text(json.dumps(result, indent=2))

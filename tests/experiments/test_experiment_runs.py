@@ -189,9 +189,14 @@ def test_pipeline_modes_bench_runs_each_mode_end_to_end(
                "--warmup", "1", "--out", str(tmp_path), "--generators", generators,
                "--config.rollout.max_response_tokens=24",
                "--config.rollout.length_law=pareto:1.2:4",
-               "--config.rollout.prompts_per_batch=4"])  # fmt: skip
+               "--config.rollout.prompts_per_batch=4", "--prompts-per-call", "2"])  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
     assert "continuous / one-step-off update rate" in out
+    # `--prompts-per-call` reaches continuous generation's runs alone.
+    commands = {m: (tmp_path / f"{m}-0" / "run.log").read_text().splitlines()[0]
+                for m in ("sync", "continuous")}  # the log's first line  # fmt: skip
+    assert "--config.rollout.prompts_per_call=2" in commands["continuous"].split()
+    assert "prompts_per_call" not in commands["sync"]
     assert "starting a generator service" not in out
     assert result["ideal_speedup"] >= 1 and result["sync"]["rate_vs_sync"] == 1
     for mode in ("sync", "one-step-off", "continuous"):
