@@ -141,6 +141,7 @@ def test_generators_in_another_swap_mode_are_refused():
         ("generator.engine_executor", "ray",
          "config.generator.engine_executor='ray': must be 'uni', 'mp' or ''"),
         ("rollout.max_running", -1, "config.rollout.max_running=-1: must be >= 0"),
+        ("rollout.prompts_per_call", 0, "config.rollout.prompts_per_call=0: must be >= 1"),
         ("generator.swap_mode", "in-flight",
          'config.rollout.max_running=2 needs config.generator.swap_mode="drain"'),
     ],

@@ -303,7 +303,8 @@ def _validate_rlhf(config: ml_collections.ConfigDict) -> None:
         config.rollout.prompt_pad_multiple >= 0,
         f"config.rollout.prompt_pad_multiple={config.rollout.prompt_pad_multiple}: must be >= 0",
     )
-    for key in ("prompts_per_batch", "max_prompt_tokens", "max_response_tokens"):
+    for key in ("prompts_per_batch", "max_prompt_tokens", "max_response_tokens",
+                "prompts_per_call"):  # fmt: skip
         value = config.rollout[key]
         _require(value >= 1, f"config.rollout.{key}={value}: must be >= 1")
     rollout = config.rollout

@@ -30,6 +30,7 @@ def test_every_registered_claim_has_a_complete_spec_in_its_own_module(tmp_path):
         "b-rounds",
         "c",
         "d",
+        "d-pilot",
         "e",
         "e-parts",
         "f",

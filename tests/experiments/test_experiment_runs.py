@@ -216,7 +216,8 @@ def test_pipeline_modes_bench_runs_each_mode_end_to_end(
 CLAIM_ARMS = {"pilot": "sync", "a": "continuous", "b": "grpo+mask/N16", "c": "bed/N1", "d": "K2",
               "e": "U2", "f": "grpo+mask", "b-tuning": "ppo/lr5e-06/kl_coef0.02",
               "a-steps": "lr0.0001/one-step-off", "f-replicated": "grpo+mask",
-              "e-parts": "U2", "lora-tuning": "full/lr5e-06", "b-rounds": "grpo/N4"}  # fmt: skip
+              "e-parts": "U2", "lora-tuning": "full/lr5e-06", "b-rounds": "grpo/N4",
+              "d-pilot": "bed/K4"}  # fmt: skip
 
 
 @pytest.mark.slow

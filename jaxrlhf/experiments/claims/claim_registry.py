@@ -13,6 +13,7 @@ from jaxrlhf.experiments.claims import (
     losses_robust,
     losses_rounds,
     pilot,
+    samples_pilot,
     samples_sooner,
     sizes_robust,
     tuning,
@@ -29,6 +30,7 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     losses_rounds.SPEC,  # b-rounds: (b) at the tuned settings over 4 rounds, pre-registered
     sizes_robust.SPEC,  # (c)
     samples_sooner.SPEC,  # (d)
+    samples_pilot.SPEC,  # d-pilot: the size on which (d) is training-bound, pre-registered
     updates_per_batch.SPEC,  # (e)
     updates_two_parts.SPEC,  # e-parts: (e)'s two parts, pre-registered
     corrections_mixed.SPEC,  # (f)
