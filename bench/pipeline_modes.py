@@ -3,7 +3,7 @@
     python bench/pipeline_modes.py --workload long-tail   # tiny Llama, heavy-tailed lengths
     python bench/pipeline_modes.py --workload default     # the offline default (SmolLM2)
     python bench/pipeline_modes.py --workload balanced    # SmolLM2 with g about t
-    python bench/pipeline_modes.py --workload bed --prompts-per-call 8   # the claims' bed
+    python bench/pipeline_modes.py --workload bed --modes sync,continuous,continuous-grouped
     python bench/pipeline_modes.py --analyze-only         # recompute from the runs in --out
 
 The same workload runs once per mode (`--modes`) and repeat (`--repeats`; the order of the
@@ -19,8 +19,9 @@ starts its service again), or run against the running service `--generators` giv
 - `one-step-off`: max_staleness 1 (`--max-staleness`), drain swaps, one call per batch (the
   paper's async mode);
 - `continuous`: max_staleness 1 (`--max-staleness`), in-flight swaps (KV kept),
-  `rollout.continuous` (prompt by prompt, several batches in flight as the bound allows;
-  `--prompts-per-call K`: K consecutive prompts a call, `rollout.prompts_per_call`).
+  `rollout.continuous` (prompt by prompt, several batches in flight as the bound allows);
+- `continuous-grouped` (only when `--modes` names it): the same with `--prompts-per-call`
+  consecutive prompts a call (`rollout.prompts_per_call`, default 8).
 
 Workloads (`--workload`; extra `--config.KEY=VALUE` arguments go to every run):
 
@@ -92,6 +93,8 @@ MODES = {  # name -> overrides
         "rollout.continuous": True,
     },
 }  # fmt: skip
+MODES["continuous-grouped"] = MODES["continuous"]  # + rollout.prompts_per_call (overrides_for)
+DEFAULT_MODES = ("sync", "one-step-off", "continuous")
 WORKLOADS = {  # name -> (model, overrides)
     "default": ("smollm2", {}),
     "bed": ("bed", {}),
@@ -143,7 +146,8 @@ def run_figures(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
 def compare(per_run: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     """Per mode: each figure's mean over the repeats (`{key}_stderr` beside it), the update
     rate relative to sync (per repeat: sync's step_s ÷ this mode's, then mean ± s.e.), the ideal
-    from the sync runs, efficiency; continuous ÷ one-step-off the same way."""
+    from the sync runs, efficiency; continuous ÷ one-step-off and continuous-grouped ÷
+    continuous the same way."""
     per_mode = {mode: _means(runs) for mode, runs in per_run.items()}
     sync = per_mode["sync"]
     g, t = sync["generate_s"], sync["learner_s"]
@@ -153,10 +157,10 @@ def compare(per_run: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
         rate, rate_stderr = _rate(per_run["sync"], per_run[mode])
         out[mode] = {**figures, "rate_vs_sync": rate, "rate_vs_sync_stderr": rate_stderr,
                      "efficiency": rate / ideal, "repeats": len(per_run[mode])}  # fmt: skip
-    if "one-step-off" in per_run and "continuous" in per_run:
-        ratio, stderr = _rate(per_run["one-step-off"], per_run["continuous"])
-        out["continuous_vs_one_step_off"] = ratio
-        out["continuous_vs_one_step_off_stderr"] = stderr
+    for base, mode in (("one-step-off", "continuous"), ("continuous", "continuous-grouped")):
+        if base in per_run and mode in per_run:
+            key = f"{mode}_vs_{base}".replace("-", "_")
+            out[key], out[f"{key}_stderr"] = _rate(per_run[base], per_run[mode])
     return out
 
 
@@ -186,10 +190,11 @@ def table(result: dict[str, Any], modes: list[str]) -> str:
     g, t = result["sync_generate_s"], result["sync_learner_s"]
     lines.append(f"ideal speedup (g + t) / max(g, t) from sync: {result['ideal_speedup']:.3f} "
                  f"(g {g:.2f} s, t {t:.2f} s)")  # fmt: skip
-    if "continuous_vs_one_step_off" in result:
-        ratio = _cell(result["continuous_vs_one_step_off"],
-                      result["continuous_vs_one_step_off_stderr"])  # fmt: skip
-        lines.append(f"continuous / one-step-off update rate: {ratio}")
+    for base, mode in (("one-step-off", "continuous"), ("continuous", "continuous-grouped")):
+        key = f"{mode}_vs_{base}".replace("-", "_")
+        if key in result:
+            ratio = _cell(result[key], result[f"{key}_stderr"])
+            lines.append(f"{mode} / {base} update rate: {ratio}")
     lines.append(f"repeats per mode: {result[modes[0]]['repeats']}")
     return "\n".join(lines)
 
@@ -200,7 +205,11 @@ def overrides_for(args, mode: str, folder: Path, workload: dict[str, Any]) -> di
         **workload,
         **MODES[mode],
         **({"max_staleness": args.max_staleness} if mode != "sync" else {}),
-        **({"rollout.prompts_per_call": args.prompts_per_call} if mode == "continuous" else {}),
+        **(
+            {"rollout.prompts_per_call": args.prompts_per_call}
+            if mode == "continuous-grouped"
+            else {}
+        ),  # fmt: skip
         **placement_overrides(args.model, args.cpus_generator, args.cpus_learner),
     }
 
@@ -213,9 +222,9 @@ def main() -> None:
                         "the modes rotates from one repeat to the next)")  # fmt: skip
     parser.add_argument("--max-staleness", type=int, default=1, help="of the asynchronous "
                         "modes (sync: 0)")  # fmt: skip
-    parser.add_argument("--modes", default=",".join(MODES), help="sync first, then any of the "
-                        "others")  # fmt: skip
-    parser.add_argument("--prompts-per-call", type=int, default=1, help="continuous mode's "
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="sync first, then any "
+                        f"of {list(MODES)[1:]}")  # fmt: skip
+    parser.add_argument("--prompts-per-call", type=int, default=8, help="continuous-grouped's "
                         "prompts per Generate call (rollout.prompts_per_call)")  # fmt: skip
     args, passthrough, given = parse_timed_run_args(parser)
     model, workload = WORKLOADS[args.workload]

@@ -31,6 +31,7 @@ def test_every_registered_claim_has_a_complete_spec_in_its_own_module(tmp_path):
         "c",
         "d",
         "d-pilot",
+        "d-bound",
         "e",
         "e-parts",
         "f",
@@ -38,7 +39,19 @@ def test_every_registered_claim_has_a_complete_spec_in_its_own_module(tmp_path):
         "b-tuning",
         "lora-tuning",
     )
-    in_table = ["a", "a-steps", "b", "b-rounds", "c", "d", "e", "e-parts", "f", "f-replicated"]
+    in_table = [
+        "a",
+        "a-steps",
+        "b",
+        "b-rounds",
+        "c",
+        "d",
+        "d-bound",
+        "e",
+        "e-parts",
+        "f",
+        "f-replicated",
+    ]
     assert [s.name for s in claim_registry.table()] == in_table
     for spec in claim_registry.CLAIMS:
         assert spec.title and spec.paper and callable(spec.plan), spec.name
@@ -109,7 +122,7 @@ def test_a_claim_added_to_the_registry_alone_plans_and_reports(tmp_path, monkeyp
     main(["--report-only", "--out", str(out)])
     table = (out / "claims.md").read_text().splitlines()
     assert table[-1].startswith("| (z) A throwaway claim | high beats low | high − low: +11.0")
-    assert table[-1].endswith("| supported |") and len(table) == 2 + 11  # the others not run
+    assert table[-1].endswith("| supported |") and len(table) == 2 + 12  # the others not run
     # with a registration, the same claim writes its plan first
     rule = {"measure": "test accuracy", "rule": "high_is_better", "families": {"z": ["high − low"]}}
     registered = dataclasses.replace(Z, registration=rule)

@@ -179,8 +179,9 @@ def test_swap_modes_bench_runs_each_mode_end_to_end(generator_address, in_flight
 def test_pipeline_modes_bench_runs_each_mode_end_to_end(
     generator_address, in_flight_server, tmp_path
 ):
-    """The three modes on a shortened long-tail workload, against the running services it is
-    given: sync and one-step-off share the draining one, continuous runs on the in-flight one
+    """Three modes on a shortened long-tail workload, against the running services it is
+    given: sync and one-step-off share the draining one, continuous-grouped (2 prompts a call)
+    runs on the in-flight one
     (each run publishes its own weights first; how the runner starts and replaces services is
     tested by hand in tests/experiments/test_experiments.py); every token within the bound, every
     response within its budget."""
@@ -189,25 +190,26 @@ def test_pipeline_modes_bench_runs_each_mode_end_to_end(
                "--warmup", "1", "--out", str(tmp_path), "--generators", generators,
                "--config.rollout.max_response_tokens=24",
                "--config.rollout.length_law=pareto:1.2:4",
-               "--config.rollout.prompts_per_batch=4", "--prompts-per-call", "2"])  # fmt: skip
+               "--config.rollout.prompts_per_batch=4", "--prompts-per-call", "2",
+               "--modes", "sync,one-step-off,continuous-grouped"])  # fmt: skip
     result = json.loads((tmp_path / "results.json").read_text())
-    assert "continuous / one-step-off update rate" in out
-    # `--prompts-per-call` reaches continuous generation's runs alone.
+    assert "update rate / sync" in out and "continuous / one-step-off" not in out
+    # `--prompts-per-call` reaches the grouped mode's runs alone.
     commands = {m: (tmp_path / f"{m}-0" / "run.log").read_text().splitlines()[0]
-                for m in ("sync", "continuous")}  # the log's first line  # fmt: skip
-    assert "--config.rollout.prompts_per_call=2" in commands["continuous"].split()
+                for m in ("sync", "continuous-grouped")}  # the log's first line  # fmt: skip
+    assert "--config.rollout.prompts_per_call=2" in commands["continuous-grouped"].split()
     assert "prompts_per_call" not in commands["sync"]
     assert "starting a generator service" not in out
     assert result["ideal_speedup"] >= 1 and result["sync"]["rate_vs_sync"] == 1
-    for mode in ("sync", "one-step-off", "continuous"):
+    for mode in ("sync", "one-step-off", "continuous-grouped"):
         figures = result[mode]
         assert figures["step_s"] > 0 and 0 <= figures["generator_occupancy"] <= 1
         assert 0 <= figures["learner_idle_fraction"] < 1
         assert figures["token_staleness_max"] <= (0 if mode == "sync" else 1)
-    assert "swaps: in-flight" in (tmp_path / "continuous-0" / "run.log").read_text()
+    assert "swaps: in-flight" in (tmp_path / "continuous-grouped-0" / "run.log").read_text()
     lengths = [
         json.loads(line)["response_length_mean"]
-        for line in (tmp_path / "continuous-0" / "metrics.jsonl").read_text().splitlines()
+        for line in (tmp_path / "continuous-grouped-0" / "metrics.jsonl").read_text().splitlines()
     ]
     assert all(0 < length <= 24 for length in lengths)
 
@@ -217,7 +219,7 @@ CLAIM_ARMS = {"pilot": "sync", "a": "continuous", "b": "grpo+mask/N16", "c": "be
               "e": "U2", "f": "grpo+mask", "b-tuning": "ppo/lr5e-06/kl_coef0.02",
               "a-steps": "lr0.0001/one-step-off", "f-replicated": "grpo+mask",
               "e-parts": "U2", "lora-tuning": "full/lr5e-06", "b-rounds": "grpo/N4",
-              "d-pilot": "bed/K4"}  # fmt: skip
+              "d-pilot": "bed/K4", "d-bound": "K4"}  # fmt: skip
 
 
 @pytest.mark.slow

@@ -62,3 +62,37 @@ def test_nothing_is_chosen_before_every_k4_arm_finished(tmp_path):
             _with_idle(run.folder, 0.0)
     record = analyse("d-pilot", runs, SETTINGS)
     assert record["chosen"]["size"] is None and record["verdict"]["word"] == "part-run"
+
+
+def test_d_bound_runs_on_the_size_the_pilot_chose_with_its_record():
+    """d-bound's SIZE is what d-pilot's committed record chose by its registered rule."""
+    from jaxrlhf.experiments.claims.samples_bound import SIZE
+    from tests.conftest import REPO
+
+    record = json.loads((REPO / "results/claims/d-pilot/claim.json").read_text())
+    assert record["chosen"]["decided"] and record["chosen"]["size"] == SIZE
+    assert record["verdict"]["word"] == f"training-bound at {SIZE}"
+
+
+def test_d_bound_plans_its_arms_on_that_size_and_names_its_comparisons_as_registered(tmp_path):
+    """(d)'s rule on d-bound's runs, by hand as (d)'s own test: both arms end at 50% validation
+    (the target, 50% test); K2 reaches it at update 4, K4 at 2 for seeds 0-1 and at 4 for
+    seed 2. The comparisons carry the registered names, the target goes to the detail."""
+    from jaxrlhf.experiments.claims.samples_bound import COMPARISONS, RULE, SIZE
+
+    spec = claim("d-bound")
+    assert spec.defaults == {"seeds": "600-623", "eval_every": 4} and spec.registration == RULE
+    settings = Settings(seeds=(0, 1, 2), steps=4, eval_every=2)
+    runs = spec.plan(settings, tmp_path)
+    assert [run.labels["arm"] for run in runs] == ["K2", "K4"] * 3
+    for run in runs:
+        assert run.overrides["model.path"] == SIZE and run.overrides["max_staleness"] == 1
+        assert run.overrides["eval.test_every"] == 2  # every evaluation interval
+        k4 = run.labels["samples_per_prompt"] == 4
+        write_run(run.folder, (0.9 if run.labels["seed"] == 2 else 1.0) if k4 else 0.6)
+    record = analyse("d-bound", runs, settings)
+    assert [c["name"] for c in record["comparisons"]] == list(COMPARISONS)
+    assert list(COMPARISONS) == RULE["families"]["(d)"]
+    assert record["comparisons"][0]["mean"] == pytest.approx((-2 - 2 + 0) / 3)
+    assert record["verdict"]["word"] == "unresolved at this power"
+    assert record["verdict"]["detail"].startswith("target 50.0% test; updates to 50.0% test")

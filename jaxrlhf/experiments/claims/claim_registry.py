@@ -13,6 +13,7 @@ from jaxrlhf.experiments.claims import (
     losses_robust,
     losses_rounds,
     pilot,
+    samples_bound,
     samples_pilot,
     samples_sooner,
     sizes_robust,
@@ -31,6 +32,7 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     sizes_robust.SPEC,  # (c)
     samples_sooner.SPEC,  # (d)
     samples_pilot.SPEC,  # d-pilot: the size on which (d) is training-bound, pre-registered
+    samples_bound.SPEC,  # d-bound: (d) on that size, evaluated every 4 updates, pre-registered
     updates_per_batch.SPEC,  # (e)
     updates_two_parts.SPEC,  # e-parts: (e)'s two parts, pre-registered
     corrections_mixed.SPEC,  # (f)
