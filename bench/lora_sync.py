@@ -148,8 +148,10 @@ def run_variant(name: str, model_dir: Path, tensors: dict, args, folder: Path) -
 def publish_once(pool: GeneratorPool, tensors: dict, version: int, lora, probe: Probe) -> dict:
     """Publishes `tensors` as `version`, then samples one token on it (module docstring)."""
     started = time.perf_counter()
-    extra = {"lora": lora} if lora is not None else {
-        "specs": [(k, v.shape, v.dtype) for k, v in tensors.items()]}  # fmt: skip
+    # Both through the pool's default transport ("auto": the shared file on this host, as a
+    # run publishes them); the adapter's layout tells the pool it is one.
+    extra = {"specs": [(k, v.shape, v.dtype) for k, v in tensors.items()],
+             **({"lora": lora} if lora is not None else {})}  # fmt: skip
     stats = pool.publish_weights(lambda: iter(tensors.items()), len(tensors), version, **extra)
     (sample,) = pool.generate([PROMPT], dict(n=1, temperature=0.0, max_tokens=1))
     first = time.perf_counter()
