@@ -38,6 +38,7 @@ def test_every_registered_claim_has_a_complete_spec_in_its_own_module(tmp_path):
         "f-replicated",
         "b-tuning",
         "lora-tuning",
+        "lora-compare",
     )
     in_table = [
         "a",

@@ -9,6 +9,7 @@ from jaxrlhf.experiments.claims import (
     async_step_sizes,
     corrections_mixed,
     corrections_replicated,
+    lora_compare,
     lora_tuning,
     losses_robust,
     losses_rounds,
@@ -39,6 +40,7 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     corrections_replicated.SPEC,  # f-replicated: (f) on new seeds, pre-registered
     tuning.SPEC,  # b-tuning: (b)'s settings, pre-registered
     lora_tuning.SPEC,  # lora-tuning: LoRA's and full fine-tuning's rates, pre-registered
+    lora_compare.SPEC,  # lora-compare: LoRA against full fine-tuning at those rates, on test
 )
 
 

@@ -1,0 +1,56 @@
+"""Claim lora-compare (LoRA at its own learning rate against full fine-tuning, on test): its
+rates are lora-tuning's recorded choices; its plan runs both arms at them on its own seeds; its
+rule is (a)'s equivalence rule for one comparison, by hand on hand-written runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxrlhf.experiments.claims.claim_registry import claim
+from jaxrlhf.experiments.claims.lora_compare import CHOSEN, COMPARISON, RULE
+from jaxrlhf.experiments.claims.lora_tuning import ARMS
+from jaxrlhf.experiments.claims.plans import Settings
+from jaxrlhf.experiments.claims.verdicts import analyse
+from tests.conftest import REPO
+from tests.experiments.test_claims import write_run
+
+
+def test_the_rates_are_lora_tuning_s_recorded_choices():
+    record = json.loads((REPO / "results/claims/lora-tuning/claim.json").read_text())
+    assert record["verdict"]["word"] == "tuned"
+    assert {k: c["learning_rate"] for k, c in record["chosen"].items()} == CHOSEN
+
+
+def test_the_plan_runs_both_arms_at_their_rates_with_the_test_split(tmp_path):
+    spec = claim("lora-compare")
+    assert spec.defaults == {"seeds": "510-519"} and spec.registration == RULE
+    runs = spec.plan(Settings(seeds=(510, 511)), tmp_path)
+    assert [run.labels["arm"] for run in runs] == ["full", "lora"] * 2
+    for run in runs:
+        kind = run.labels["kind"]
+        assert run.overrides["train.learning_rate"] == CHOSEN[kind]
+        assert run.overrides["eval.test"] is True
+        assert all(run.overrides[k] == v for k, v in ARMS[kind].items())
+
+
+@pytest.mark.parametrize(
+    ("offsets", "word"),
+    [((-0.5, 0.5, 0.0), "supported"),  # mean 0, interval well inside ±2
+     ((-4.0, -5.0, -4.5), "contradicted"),  # wholly below −2, beyond noise
+     ((-1.0, -3.0, 1.0), "unresolved at this power")],  # wide, crosses −2
+)  # fmt: skip
+def test_lora_is_judged_against_the_2_point_margin(tmp_path, offsets, word):
+    settings = Settings(seeds=(0, 1, 2), steps=4, eval_every=2)
+    runs = claim("lora-compare").plan(settings, tmp_path)
+    for run in runs:
+        seed = run.labels["seed"]
+        full = 0.6 + 0.05 * seed
+        offset = offsets[seed] / 100 if run.labels["kind"] == "lora" else 0.0
+        write_run(run.folder, full + offset)
+    record = analyse("lora-compare", runs, settings)
+    (comparison,) = record["comparisons"]
+    assert comparison["name"] == COMPARISON == RULE["families"]["LoRA against full fine-tuning"][0]
+    assert comparison["mean"] == pytest.approx(sum(offsets) / 3)
+    assert record["verdict"]["word"] == word
