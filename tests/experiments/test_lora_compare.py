@@ -54,3 +54,18 @@ def test_lora_is_judged_against_the_2_point_margin(tmp_path, offsets, word):
     assert comparison["name"] == COMPARISON == RULE["families"]["LoRA against full fine-tuning"][0]
     assert comparison["mean"] == pytest.approx(sum(offsets) / 3)
     assert record["verdict"]["word"] == word
+
+
+def test_configs_bed_lora_is_the_compared_lora_arm():
+    """configs/bed_lora.py (the README's LoRA line) runs the bed as lora-compare's LoRA arm."""
+    from jaxrlhf.config import validate
+    from jaxrlhf.experiments import load_config
+    from jaxrlhf.experiments.claims.lora_tuning import RANK
+
+    bed = load_config(REPO / "configs" / "bed.py", {})
+    config = load_config(REPO / "configs" / "bed_lora.py", {})
+    validate(config)
+    assert config.model.lora.rank == RANK and config.generator.swap_mode == "lora"
+    assert config.train.learning_rate == CHOSEN["lora"]
+    differs = {k for k in config.to_dict() if config[k] != bed[k]}
+    assert differs == {"model", "train", "generator", "output_dir"}
