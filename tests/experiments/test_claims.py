@@ -254,8 +254,8 @@ def test_every_claim_plans_bed_runs_with_a_test_evaluation_at_the_end(tmp_path):
     for spec in CLAIMS:
         runs = spec.plan(settings, tmp_path)
         assert runs and all(r.overrides["seed"] == 3 for r in runs), spec.name
-        # the tunings choose on validation: the test split stays off
-        tuning = spec.name in ("b-tuning", "lora-tuning")
+        # the tunings and (d)'s pilot choose on validation: the test split stays off
+        tuning = spec.name in ("b-tuning", "lora-tuning", "d-pilot")
         assert all(r.overrides["eval.test"] != tuning and r.overrides["eval.at_end"]
                    for r in runs)  # fmt: skip
         # (the pilot's runs are (a)'s sync and one-step-off runs: they count there too)
