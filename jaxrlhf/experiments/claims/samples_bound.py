@@ -32,7 +32,7 @@ from pathlib import Path
 from jaxrlhf.experiments.claims.analysis import Finding, Verdict
 from jaxrlhf.experiments.claims.claim_spec import ClaimSpec
 from jaxrlhf.experiments.claims.plans import Settings, planned_run
-from jaxrlhf.experiments.claims.samples_sooner import samples_sooner
+from jaxrlhf.experiments.claims.samples_sooner import samples_arm, samples_sooner
 
 NAME = "d-bound"
 SEEDS = "600-623"
@@ -70,13 +70,7 @@ def plan_bound(settings: Settings, out: Path):
             f"K{k}",
             seed,
             settings,
-            {
-                "model.path": SIZE,
-                "sync_every": 1,
-                "num_mini_batches": 0,
-                "max_staleness": 1,
-                "rollout.samples_per_prompt": k,
-            },
+            {"model.path": SIZE, **samples_arm(k)},
             {"samples_per_prompt": k},
         )  # fmt: skip
         for seed in settings.seeds

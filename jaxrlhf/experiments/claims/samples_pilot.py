@@ -26,6 +26,7 @@ from typing import Any
 from jaxrlhf.experiments.claims.analysis import Verdict
 from jaxrlhf.experiments.claims.claim_spec import ClaimSpec
 from jaxrlhf.experiments.claims.plans import Settings, planned_run
+from jaxrlhf.experiments.claims.samples_sooner import samples_arm
 from jaxrlhf.experiments.runner import PlannedRun
 
 NAME = "d-pilot"
@@ -57,15 +58,7 @@ def plan_pilot(settings: Settings, out: Path) -> list[PlannedRun]:
             arm_name(size, k),
             seed,
             settings,
-            {
-                "model.path": size,
-                "sync_every": 1,
-                "num_mini_batches": 0,
-                "max_staleness": 1,
-                "rollout.samples_per_prompt": k,
-                "eval.test": False,
-                "eval.test_every": 0,
-            },
+            {"model.path": size, **samples_arm(k), "eval.test": False, "eval.test_every": 0},
             {"size": size, "samples_per_prompt": k},
         )  # fmt: skip
         for seed in settings.seeds

@@ -14,22 +14,16 @@ from jaxrlhf.experiments.claims.plans import Settings, planned_run
 from jaxrlhf.experiments.stats import compare
 
 
+def samples_arm(k: int) -> dict[str, Any]:
+    """(d)'s arm: one step off, K = `k` samples per prompt (the learner trains on each prompt's
+    best and worst)."""
+    return {"sync_every": 1, "num_mini_batches": 0, "max_staleness": 1,
+            "rollout.samples_per_prompt": k}  # fmt: skip
+
+
 def plan_samples(settings: Settings, out: Path):
     return [
-        planned_run(
-            out,
-            "d",
-            f"K{k}",
-            seed,
-            settings,
-            {
-                "sync_every": 1,
-                "num_mini_batches": 0,
-                "max_staleness": 1,
-                "rollout.samples_per_prompt": k,
-            },
-            {"samples_per_prompt": k},
-        )  # fmt: skip
+        planned_run(out, "d", f"K{k}", seed, settings, samples_arm(k), {"samples_per_prompt": k})
         for seed in settings.seeds
         for k in settings.samples
     ]
