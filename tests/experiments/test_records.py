@@ -84,6 +84,32 @@ def test_packing_merges_and_refuses_a_run_that_differs(tmp_path):
     assert records.files(tmp_path / "a/seed1") == other
 
 
+def test_a_pack_keeps_six_significant_digits_of_each_metric(tmp_path):
+    """metrics.jsonl is packed with each float to six significant digits (values rounded by
+    hand), ints, strings and a torn last line as written; the other files byte for byte."""
+    written = (
+        '{"step": 6, "kl": 0.6814903846153846, "tps": 2585.578767822148, "ids": ["a"], '
+        '"approx_kl": 7.377333336236469e-13, "ratio": [1.0000066757202148, 0.5]}\n'
+        '{"step": 7, "loss": -0.0045983558520674706, "x": NaN}\n{"step": 8, "lo'
+    )
+    packed = (
+        '{"step": 6, "kl": 0.68149, "tps": 2585.58, "ids": ["a"], '
+        '"approx_kl": 7.37733e-13, "ratio": [1.00001, 0.5]}\n'
+        '{"step": 7, "loss": -0.00459836, "x": NaN}\n{"step": 8, "lo'
+    )
+    run = {**RUNS["grpo/N4/seed0"], "metrics.jsonl": written, "run.log": "0.6814903846153846\n"}
+    assert records.compact("metrics.jsonl", written) == packed
+    assert records.compact("metrics.jsonl", packed) == packed
+    write(tmp_path, {"a/seed0": run})
+    records.pack(tmp_path)
+    assert records.files(tmp_path / "a/seed0") == {**run, "metrics.jsonl": packed}
+    write(tmp_path, {"a/seed0": run})  # the same run again, loose and written in full
+    assert records.pack(tmp_path) == ["a/seed0"]  # is the packed run, not one that differs
+    records.write_pack(tmp_path, {"a/seed0": run})  # a pack from before packs were compact
+    assert records.pack(tmp_path) == []
+    assert records.read_pack(tmp_path)["a/seed0"]["metrics.jsonl"] == packed  # compacted once
+
+
 def test_packs_do_not_nest(tmp_path):
     write(tmp_path, {"x/a/seed0": RUNS["grpo/N4/seed0"]})
     records.pack(tmp_path / "x")
@@ -123,7 +149,9 @@ def test_every_committed_run_reads(folder):
     for run, named in runs.items():
         where = f"{name}/{run}"
         assert {"metrics.jsonl", "run.log"} <= set(named), where
-        lines = [json_object(line, where) for line in named["metrics.jsonl"].splitlines()]
+        metrics = named["metrics.jsonl"]
+        assert records.compact("metrics.jsonl", metrics) == metrics, f"{where}: not compact"
+        lines = [json_object(line, where) for line in metrics.splitlines()]
         assert lines and all("step" in line for line in lines if "reward_mean" in line), where
         if run not in UNFINISHED.get(name, ()):
             json_object(named["summary.json"], where)
