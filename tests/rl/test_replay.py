@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import transformers
 
+from jaxrlhf.config.checks import resolve
 from jaxrlhf.rl.trainer import run_rlhf
 from tests.rl.jax_generator import JaxGenerator
 from tests.rl.test_learning import learning_config, target_task
@@ -49,9 +50,12 @@ class ReplayGenerator(JaxGenerator):
         return samples
 
 
-def run(generator, model_dir, output_dir, task, loss, max_staleness, **loss_params):
+def run(generator, model_dir, output_dir, task, loss, max_staleness, mini_batches=0,
+        **loss_params):  # fmt: skip
     config = learning_config(output_dir, loss, 6, 1e-2, **loss_params)
     config.max_staleness = max_staleness
+    config.num_mini_batches = mini_batches  # > 0: publish every N updates (staleness N - 1)
+    resolve(config)  # as `jaxrlhf.main` reads it
     result = run_rlhf(config, model_dir, task, generator, lambda message: None)
     return result.metrics
 
@@ -81,3 +85,27 @@ def test_async_path_replays_the_sync_updates(loss, loss_params, tiny_llama, tmp_
     # And the sync run did learn something, so the equality is not that of two no-ops.
     assert not np.array_equal(recorder.published[6]["model.norm.weight"],
                               recorder.published[1]["model.norm.weight"])  # fmt: skip
+
+
+@pytest.mark.slow  # two whole runs (sync, then replayed with N = 3)
+def test_online_dpo_on_n_mini_batches_replays_the_sync_updates(tiny_llama, tmp_path):
+    """N = 3 mini-batches a publish (`num_mini_batches`, as claim (b) runs them), fed the sync
+    run's batches: the same 6 updates (published weights at versions 3 and 6 equal bit for bit,
+    every step's loss equal). Online DPO's pairs, reference log-probs and the split of a
+    generation round into updates are the same at N = 3 as at N = 1; only which policy sampled
+    the pairs differs when it samples them itself."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    task = target_task(tokenizer)
+    ids = (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    recorder = RecordingGenerator(tiny_llama, *ids)
+    sync = run(recorder, tiny_llama, tmp_path / "sync", task, "online_dpo", 0)
+    replay = ReplayGenerator(recorder.batches, tiny_llama, *ids)
+    rounds = run(replay, tiny_llama, tmp_path / "n3", task, "online_dpo", 0, mini_batches=3)
+
+    # (The replayed samples carry the sync run's version tags, so staleness reads 0 here.)
+    assert sorted(replay.published) == [3, 6]  # one publish a round of 3 updates
+    for version in (3, 6):
+        for name, array in recorder.published[version].items():
+            np.testing.assert_array_equal(replay.published[version][name], array, err_msg=name)
+    for key in ("loss", "reward_mean", "loss/accuracy", "loss/grad_norm"):
+        assert [r[key] for r in rounds] == [r[key] for r in sync], key
