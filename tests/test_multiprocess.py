@@ -117,3 +117,31 @@ def test_two_processes_equal_one_and_resume_exactly(generator_address, tmp_path)
     assert set(got) == set(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_lora_run_over_two_processes_equals_one(lora_generator, tmp_path):
+    """LoRA (rank 4) over 2 processes publishing adapters alone to a "lora" generator: each
+    factor is gathered whole to the host (`to_host`) and the driver streams the adapter; the
+    run equals one process with 4 devices, step for step, and exports the same adapter."""
+    lora = ["--config.model.lora.rank=4", "--config.generator.swap_mode=lora",
+            "--config.generator.weight_transport=stream"]  # fmt: skip
+    one = tmp_path / "one"
+    subprocess.run(command(one, lora_generator, *lora), cwd=REPO, env=env(4), check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    two = tmp_path / "two"
+    outputs = finish(start_two(two, lora_generator, *lora))
+    assert "over 2 process(es)" in outputs[0][0]
+    assert_same_metrics(metrics(one), metrics(two))
+    # Each publish the same adapter's bytes (which step logs the first is a matter of timing).
+    one_sent, sent = ([r["weight_sync_bytes"] for r in metrics(run)] for run in (one, two))
+    adapter = max(one_sent)
+    assert adapter > 0 and set(sent) <= {0, adapter} and sent.count(adapter) >= STEPS - 1
+    for name in ("adapter_model.safetensors",):
+        want = SafetensorsFile(one / "hf_export" / "adapter" / name)
+        got = SafetensorsFile(two / "hf_export" / "adapter" / name)
+        assert set(got.names()) == set(want.names()) and want.names()
+        for tensor in want.names():
+            np.testing.assert_allclose(np.array(got.get(tensor)), np.array(want.get(tensor)),
+                                       rtol=1e-4, atol=1e-5, err_msg=tensor)  # fmt: skip
