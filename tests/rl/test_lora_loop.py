@@ -131,3 +131,25 @@ def test_a_lora_run_learns(tiny_llama, tmp_path):
     # here, less than full fine-tuning's +0.25 in as many updates (test_learning).
     first, last = np.mean(rewards[:4]), np.mean(rewards[-4:])
     assert last >= first + 1 / RESPONSE_TOKENS, (first, last, rewards)
+
+
+@pytest.mark.slow
+def test_a_lora_run_with_a_correction_and_two_updates_per_batch(tiny_llama, tmp_path):
+    """LoRA with an off-policy correction on the learner's π_old (sequence_mask in [0.5, 2]:
+    LoRA's 10x rate moves the policy far in one update) and 2 updates per batch, one step off: the correction keeps a
+    real share, and the second update starts where the first left the loss, as in full
+    fine-tuning (test_learning)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    generator = JaxGenerator(tiny_llama, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config = lora_run_config(tmp_path, 1, 8, 1e-1)
+    config.loss_params.kl_coef = 0.01
+    config.loss_params.is_correction = "sequence_mask"
+    config.loss_params.is_low, config.loss_params.is_high = 0.5, 2.0
+    config.train.updates_per_batch = 2
+    metrics = run_rlhf(config, tiny_llama, target_task(tokenizer), generator,
+                       lambda message: None).metrics  # fmt: skip
+    kept = [m["is_kept_fraction"] for m in metrics]
+    assert min(kept) < 1 and np.mean(kept) > 0.25, kept
+    moved = [m for m in metrics if m["is_kept_fraction"] > 0]
+    assert moved and all(m["loss_first_update"] != m["loss"] for m in moved)
+    assert all(np.isfinite(m["loss"]) for m in metrics)
