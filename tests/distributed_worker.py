@@ -1,4 +1,4 @@
-"""One process of the two-process JAX test (run by tests/test_distributed.py).
+"""One process of the two-process JAX test (run by tests/test_sharding.py).
 
 argv: coordinator port, process id, model folder. Prints the losses of 2 train steps as JSON.
 """
