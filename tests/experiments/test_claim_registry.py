@@ -39,6 +39,7 @@ def test_every_registered_claim_has_a_complete_spec_in_its_own_module(tmp_path):
         "b-tuning",
         "lora-tuning",
         "lora-compare",
+        "lora-smollm2-tuning",
     )
     in_table = [
         "a",

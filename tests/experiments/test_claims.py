@@ -255,7 +255,8 @@ def test_every_claim_plans_bed_runs_with_a_test_evaluation_at_the_end(tmp_path):
         runs = spec.plan(settings, tmp_path)
         assert runs and all(r.overrides["seed"] == 3 for r in runs), spec.name
         # the tunings and (d)'s pilot choose on validation: the test split stays off
-        tuning = spec.name in ("b-tuning", "lora-tuning", "d-pilot")
+        tuning = spec.name in ("b-tuning", "lora-tuning", "lora-smollm2-tuning", "d-pilot")
+        assert spec.config == ("default.py" if "smollm2" in spec.name else "bed.py"), spec.name
         assert all(r.overrides["eval.test"] != tuning and r.overrides["eval.at_end"]
                    for r in runs)  # fmt: skip
         # (the pilot's runs are (a)'s sync and one-step-off runs: they count there too)

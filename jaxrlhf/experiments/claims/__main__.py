@@ -93,7 +93,7 @@ def run_claim(claim: str, args) -> dict:
     if not args.report_only:
         for line in start_models.install():
             print(f"[claim {claim}] start model {line}", flush=True)
-        runner = Runner(CONFIGS / "bed.py", out / claim, f"claim {claim}",
+        runner = Runner(CONFIGS / spec.config, out / claim, f"claim {claim}",
                         args.generator_addresses, rerun=args.rerun)  # fmt: skip
         if args.rerun_other_starts:
             runner.stale = lambda run: start_models.other_start(

@@ -10,6 +10,7 @@ from jaxrlhf.experiments.claims import (
     corrections_mixed,
     corrections_replicated,
     lora_compare,
+    lora_smollm2,
     lora_tuning,
     losses_robust,
     losses_rounds,
@@ -41,6 +42,7 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     tuning.SPEC,  # b-tuning: (b)'s settings, pre-registered
     lora_tuning.SPEC,  # lora-tuning: LoRA's and full fine-tuning's rates, pre-registered
     lora_compare.SPEC,  # lora-compare: LoRA against full fine-tuning at those rates, on test
+    lora_smollm2.SPEC,  # lora-smollm2-tuning: lora-tuning on SmolLM2's default task
 )
 
 

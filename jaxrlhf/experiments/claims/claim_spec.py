@@ -42,6 +42,8 @@ class ClaimSpec:
         `registration.build_plan`): it runs only from its committed plan.json. None: its plan
         is its code.
     defaults: its command line's defaults of `SETTINGS_DEFAULTS` where not the usual ones.
+    config: the file in configs/ its runs start from (the test bed's, unless the claim is about
+        another workload).
     """
 
     name: str
@@ -53,6 +55,7 @@ class ClaimSpec:
     table_row: bool = True
     registration: Mapping[str, Any] | None = None
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    config: str = "bed.py"
 
     def __post_init__(self) -> None:
         if not self.name or not self.title:

@@ -39,20 +39,28 @@ ARMS = {
     "full": {},
     "lora": {"model.lora.rank": RANK, "generator.swap_mode": "lora"},
 }
-RULE = {
-    "measure": "final greedy accuracy on the whole validation split (points), mean over seeds",
-    "rule": "best_on_validation",
-    "params": {"tie": "the smaller learning rate", "grid": {k: list(v) for k, v in GRID.items()},
-               "rank": RANK, "edge": "a choice at the edge of its grid is reported as such"},
-    "families": {},  # a choice, not a test: no comparison is corrected
-}  # fmt: skip
+
+
+def rule_for(grid: dict[str, tuple[float, ...]]) -> dict[str, Any]:
+    """The registered rule of a tuning over `grid` (module docstring)."""
+    return {
+        "measure": "final greedy accuracy on the whole validation split (points), mean over seeds",
+        "rule": "best_on_validation",
+        "params": {"tie": "the smaller learning rate",
+                   "grid": {k: list(v) for k, v in grid.items()}, "rank": RANK,
+                   "edge": "a choice at the edge of its grid is reported as such"},
+        "families": {},  # a choice, not a test: no comparison is corrected
+    }  # fmt: skip
+
+
+RULE = rule_for(GRID)
 
 
 def arm_name(kind: str, lr: float) -> str:
     return f"{kind}/lr{lr:g}"
 
 
-def best_on_validation(arms, runs: Sequence[PlannedRun]) -> dict[str, Any]:
+def best_on_validation(arms, runs: Sequence[PlannedRun], grid=GRID) -> dict[str, Any]:
     """{kind: the chosen learning rate, its arm and its validation mean ± s.e.} (module
     docstring); a kind with unfinished runs chooses nothing yet."""
     planned: dict[str, int] = {}
@@ -61,7 +69,7 @@ def best_on_validation(arms, runs: Sequence[PlannedRun]) -> dict[str, Any]:
     chosen = {}
     for kind in dict.fromkeys(run.labels["kind"] for run in runs):
         candidates = []
-        for lr in GRID[kind]:
+        for lr in grid[kind]:
             arm = arm_name(kind, lr)
             if arm not in planned:
                 continue
@@ -75,18 +83,19 @@ def best_on_validation(arms, runs: Sequence[PlannedRun]) -> dict[str, Any]:
             if not candidates:
                 continue
             _, arm, lr, mean, stderr = min(candidates)
-            edge = lr in (GRID[kind][0], GRID[kind][-1])
+            edge = lr in (grid[kind][0], grid[kind][-1])
             chosen[kind] = {"arm": arm, "learning_rate": lr, "validation": mean,
                             "validation_stderr": stderr, "grid_edge": edge}  # fmt: skip
     return chosen
 
 
-def plan_lora_tuning(settings: Settings, out: Path) -> list[PlannedRun]:
+def plan_lora_tuning(settings: Settings, out: Path, name: str = NAME,
+                     grid=GRID) -> list[PlannedRun]:  # fmt: skip
     """Each seed's grid, arm by arm, test split off (module docstring)."""
     return [
         planned_run(
             out,
-            NAME,
+            name,
             arm_name(kind, lr),
             seed,
             settings,
@@ -95,13 +104,14 @@ def plan_lora_tuning(settings: Settings, out: Path) -> list[PlannedRun]:
         )  # fmt: skip
         for seed in settings.seeds
         for kind in ARMS
-        for lr in GRID[kind]
+        for lr in grid[kind]
     ]
 
 
-def lora_tuning_record(arms, runs: Sequence[PlannedRun], settings: Settings) -> dict[str, Any]:
+def lora_tuning_record(arms, runs: Sequence[PlannedRun], settings: Settings,
+                       grid=GRID) -> dict[str, Any]:  # fmt: skip
     """The learning rate chosen per arm (`best_on_validation`)."""
-    chosen = best_on_validation(arms, runs)
+    chosen = best_on_validation(arms, runs, grid)
     kinds = list(dict.fromkeys(run.labels["kind"] for run in runs))
     detail = "; ".join(f"{kind}: lr {c['learning_rate']:g} ({c['validation']:.1f} ± "
                        f"{c['validation_stderr']:.1f} on validation"
