@@ -334,3 +334,36 @@ def test_a_malformed_shared_adapter_is_refused_and_the_served_one_keeps_serving(
         request = shared.request(version, lora=lora_message(settings))
         assert lora_client.update_weights_shared(request).policy_version == version
     assert_served(lora_client, reference, merge(base_weights, good, settings), version)
+
+
+def test_a_rollback_to_an_older_version_serves_the_adapter_it_carries(
+    lora_client, reference, base_weights, tiny_llama
+):
+    """A resumed run rolls its replicas back (`allow_rollback`, trainer.begin): an adapter for a
+    version not newer than the served one is refused without it; with it, it loads as a new
+    adapter (a fresh engine id, never the version) and serves its own weights, tagged with that
+    version, while a call still holds the adapter that version had before (so the engine still
+    has it loaded: an id reused would serve the old weights)."""
+    settings = LoraSettings(4, 8.0, tuple(LORA_TARGETS))
+    older = serving_an_adapter(lora_client, reference, base_weights, tiny_llama) + 1
+    first = random_adapter(tiny_llama, settings, seed=7000)
+    publish(lora_client, first, settings, older)
+    held = lora_client.generate([[5, 6, 7, 8]] * 8, max_tokens=64, temperature=0.0,
+                                ignore_eos=True, max_running=1)  # fmt: skip
+    assert dict(held.initial_metadata())[ADMITTED_VERSION_HEADER] == str(older)
+    newer = older + 1
+    publish(lora_client, random_adapter(tiny_llama, settings, seed=7001), settings, newer)
+    back = random_adapter(tiny_llama, settings, seed=7002)  # the rolled-back run's weights
+    _refused(lora_client, back, settings, older, grpc.StatusCode.FAILED_PRECONDITION,
+             f"policy_version {older} is not newer than the served version {newer}")  # fmt: skip
+    response = publish(lora_client, back, settings, older, allow_rollback=True)
+    assert response.policy_version == older and response.pause_seconds == 0.0
+    assert older in lora_client.status().adapter_versions  # the held call's, and the new one
+    merged = merge(base_weights, back, settings)
+    assert_served(lora_client, reference, merged, older)
+    before = merge(base_weights, first, settings)
+    assert [reference.greedy(before, p, MAX_TOKENS) for p in GREEDY_PROMPTS] != [
+        reference.greedy(merged, p, MAX_TOKENS) for p in GREEDY_PROMPTS
+    ]  # the version's earlier adapter would serve other tokens
+    expected = reference.greedy(before, [5, 6, 7, 8], 64)
+    assert all(list(c.token_ids) == expected for c in held)  # the held call kept its adapter
