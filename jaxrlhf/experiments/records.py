@@ -68,21 +68,24 @@ def _rounded(value):
 
 
 def compact(name: str, content: str) -> str:
-    """A run file as packed: `metrics.jsonl` with each float to `DIGITS` significant digits
-    (a line that is not JSON, e.g. the torn last line of a killed run, stays as it was); the
+    """A run file as packed: `metrics.jsonl` with each float to `DIGITS` significant digits,
+    each line re-written as `json.dumps` writes it (as the runs do) with its own line end; a
+    line that is not ASCII JSON (e.g. the torn last line of a killed run) stays as it was. The
     other files unchanged. compact(compact(x)) == compact(x)."""
     if name != "metrics.jsonl":
         return content
     lines = []
-    for line in content.splitlines(keepends=True):
+    for line in content.split("\n"):
+        body = line.rstrip("\r")
         try:
-            record = json.loads(line)
+            record = json.loads(body) if body.strip() and body.isascii() else None
         except ValueError:
+            record = None
+        if record is None:
             lines.append(line)
-            continue
-        end = "\n" if line.endswith("\n") else ""
-        lines.append(json.dumps(_rounded(record)) + end)
-    return "".join(lines)
+        else:
+            lines.append(json.dumps(_rounded(record)) + line[len(body) :])
+    return "\n".join(lines)
 
 
 def read_pack(folder: str | Path) -> Runs:
@@ -220,18 +223,20 @@ def _remove_empty(path: Path, top: Path) -> None:
 
 def unpack(folder: str | Path) -> list[str]:
     """Writes `folder`'s packed runs back out, loose, and removes its pack; returns the runs.
-    A loose file that differs from the packed one is an error (nothing is overwritten)."""
+    A loose file that differs from the packed one (once compacted) is an error, and nothing is
+    overwritten; one that agrees is kept as it is (it may hold the full digits)."""
     folder = Path(os.path.abspath(folder))
     packed = read_pack(folder)
     for run, named in packed.items():
         for name, content in named.items():
             path = folder / run / name
-            if path.exists() and _decode(path.read_bytes()) != content:
+            if path.exists() and compact(name, _decode(path.read_bytes())) != content:
                 raise ValueError(f"{path} differs from the packed run {run}: not unpacked")
     for run, named in packed.items():
         (folder / run).mkdir(parents=True, exist_ok=True)
         for name, content in named.items():
-            (folder / run / name).write_bytes(_encode(content))
+            if not (folder / run / name).exists():
+                (folder / run / name).write_bytes(_encode(content))
     if packed:
         (folder / PACK).unlink()
     return sorted(packed)

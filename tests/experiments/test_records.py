@@ -86,16 +86,19 @@ def test_packing_merges_and_refuses_a_run_that_differs(tmp_path):
 
 def test_a_pack_keeps_six_significant_digits_of_each_metric(tmp_path):
     """metrics.jsonl is packed with each float to six significant digits (values rounded by
-    hand), ints, strings and a torn last line as written; the other files byte for byte."""
+    hand), ints, strings, each line's own end, and lines that are not ASCII JSON (a torn last
+    line, one with undecodable bytes) as written; the other files byte for byte."""
     written = (
         '{"step": 6, "kl": 0.6814903846153846, "tps": 2585.578767822148, "ids": ["a"], '
         '"approx_kl": 7.377333336236469e-13, "ratio": [1.0000066757202148, 0.5]}\n'
-        '{"step": 7, "loss": -0.0045983558520674706, "x": NaN}\n{"step": 8, "lo'
+        '{"step": 7, "loss": -0.0045983558520674706, "x": NaN}\r\n'
+        '{"step": 7.5, "note": "\udcff \u2713 0.6814903846153846"}\n{"step": 8, "lo'
     )
     packed = (
         '{"step": 6, "kl": 0.68149, "tps": 2585.58, "ids": ["a"], '
         '"approx_kl": 7.37733e-13, "ratio": [1.00001, 0.5]}\n'
-        '{"step": 7, "loss": -0.00459836, "x": NaN}\n{"step": 8, "lo'
+        '{"step": 7, "loss": -0.00459836, "x": NaN}\r\n'
+        '{"step": 7.5, "note": "\udcff \u2713 0.6814903846153846"}\n{"step": 8, "lo'
     )
     run = {**RUNS["grpo/N4/seed0"], "metrics.jsonl": written, "run.log": "0.6814903846153846\n"}
     assert records.compact("metrics.jsonl", written) == packed
@@ -105,6 +108,10 @@ def test_a_pack_keeps_six_significant_digits_of_each_metric(tmp_path):
     assert records.files(tmp_path / "a/seed0") == {**run, "metrics.jsonl": packed}
     write(tmp_path, {"a/seed0": run})  # the same run again, loose and written in full
     assert records.pack(tmp_path) == ["a/seed0"]  # is the packed run, not one that differs
+    write(tmp_path, {"a/seed0": run})  # loose in full beside its packed copy: unpack agrees
+    assert records.unpack(tmp_path) == ["a/seed0"]
+    assert loose(tmp_path)["a/seed0/metrics.jsonl"] == written.encode("utf-8", "surrogateescape")
+    records.pack(tmp_path)
     records.write_pack(tmp_path, {"a/seed0": run})  # a pack from before packs were compact
     assert records.pack(tmp_path) == []
     assert records.read_pack(tmp_path)["a/seed0"]["metrics.jsonl"] == packed  # compacted once
