@@ -253,6 +253,10 @@ def test_every_claim_runs(generator_address, in_flight_server, tiny_llama, tmp_p
     # The pilot's runs are claim (a)'s first arms: (a) ran continuous alone and pairs both.
     folders = sorted(p.parent.parent.name for p in (tmp_path / "a").glob("*/seed0/summary.json"))
     assert folders == ["continuous", "sync"]
+    smollm2 = tmp_path / "lora-smollm2-tuning" / CLAIM_ARMS["lora-smollm2-tuning"] / "seed0"
+    assert "/configs/default.py " in (smollm2 / "run.log").read_text().splitlines()[0]
+    bed = (tmp_path / "b" / "grpo+mask" / "N16" / "seed0" / "run.log").read_text()
+    assert "/configs/bed.py " in bed.splitlines()[0]  # each claim's runs from its own config
     log = (tmp_path / "a" / "continuous" / "seed0" / "run.log").read_text()
     assert "swaps: in-flight, KV keep" in log
     for claim, arm in (("b", "grpo+mask/N16"), ("c", "bed/N1"), ("d", "K2"), ("e", "U2"),

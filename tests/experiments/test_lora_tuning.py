@@ -57,15 +57,16 @@ def test_each_arm_chooses_its_best_rate_on_validation_and_names_an_edge(tmp_path
 
 def test_the_smollm2_tuning_runs_its_own_grid_on_the_default_task(tmp_path):
     """lora-smollm2-tuning: lora-tuning's arms and rule on configs/default.py, its own grid
-    (LoRA at 10x, 30x and 100x the default's 1e-5), seeds and 8 updates; its choice by hand."""
+    (LoRA at 10x, 30x and 100x the default's 1e-5), seeds and 8 updates, the whole validation
+    split; its choice by hand."""
     from jaxrlhf.experiments.claims import lora_smollm2
 
     spec = claim("lora-smollm2-tuning")
     assert spec.config == "default.py" and spec.defaults["steps"] == 8
-    assert spec.defaults["seeds"] == "700-701"
+    assert spec.defaults["seeds"] == "710-711"
     assert spec.registration["params"]["grid"] == {"full": [3e-6, 1e-5, 3e-5],
                                                    "lora": [1e-4, 3e-4, 1e-3]}  # fmt: skip
-    settings = Settings(seeds=(700, 701), steps=8, eval_every=8)
+    settings = Settings(seeds=(710, 711), steps=8, eval_every=8)
     runs = spec.plan(settings, tmp_path)
     assert len(runs) == 12 and {r.folder.relative_to(tmp_path).parts[0] for r in runs} == {
         "lora-smollm2-tuning"
@@ -73,8 +74,14 @@ def test_the_smollm2_tuning_runs_its_own_grid_on_the_default_task(tmp_path):
     for run in runs:
         assert run.overrides["train.learning_rate"] in lora_smollm2.GRID[run.labels["kind"]]
         assert run.overrides["eval.test"] is False and run.overrides["total_steps"] == 8
+        assert run.overrides["task.num_eval"] == 0  # the whole validation split
+        assert run.overrides["model.path"] == "smollm2"  # its start, as the report labels it
         value = {"full/lr1e-05": 0.40, "lora/lr0.001": 0.42}.get(run.labels["arm"], 0.30)
         write_run(run.folder, test=0.0, validation=value)
+    from jaxrlhf.experiments.claims.start_models import model_of, other_start
+
+    # No committed build of SmolLM2 to differ from (--rerun-other-starts leaves its runs).
+    assert model_of(runs[0].overrides) == "smollm2" and not other_start(runs[0].folder, "smollm2")
     chosen = analyse("lora-smollm2-tuning", runs, settings)["chosen"]
     assert chosen["full"]["learning_rate"] == 1e-5 and not chosen["full"]["grid_edge"]
     assert chosen["lora"]["learning_rate"] == 1e-3 and chosen["lora"]["grid_edge"]

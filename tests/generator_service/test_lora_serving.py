@@ -357,13 +357,17 @@ def test_a_rollback_to_an_older_version_serves_the_adapter_it_carries(
     _refused(lora_client, back, settings, older, grpc.StatusCode.FAILED_PRECONDITION,
              f"policy_version {older} is not newer than the served version {newer}")  # fmt: skip
     response = publish(lora_client, back, settings, older, allow_rollback=True)
+    rolled_back = time.time()
     assert response.policy_version == older and response.pause_seconds == 0.0
-    assert older in lora_client.status().adapter_versions  # the held call's, and the new one
+    # Two adapters of that version loaded: the held call's, and the rolled-back one.
+    assert list(lora_client.status().adapter_versions).count(older) == 2
     merged = merge(base_weights, back, settings)
     assert_served(lora_client, reference, merged, older)
     before = merge(base_weights, first, settings)
     assert [reference.greedy(before, p, MAX_TOKENS) for p in GREEDY_PROMPTS] != [
         reference.greedy(merged, p, MAX_TOKENS) for p in GREEDY_PROMPTS
     ]  # the version's earlier adapter would serve other tokens
+    completions = list(held)
+    assert len(completions) == 8 and max(c.finished_unix_time for c in completions) > rolled_back
     expected = reference.greedy(before, [5, 6, 7, 8], 64)
-    assert all(list(c.token_ids) == expected for c in held)  # the held call kept its adapter
+    assert all(list(c.token_ids) == expected for c in completions)  # it kept its adapter

@@ -136,9 +136,9 @@ def test_a_lora_run_learns(tiny_llama, tmp_path):
 @pytest.mark.slow
 def test_a_lora_run_with_a_correction_and_two_updates_per_batch(tiny_llama, tmp_path):
     """LoRA with an off-policy correction on the learner's π_old (sequence_mask in [0.5, 2]:
-    LoRA's 10x rate moves the policy far in one update) and 2 updates per batch, one step off: the correction keeps a
-    real share, and the second update starts where the first left the loss, as in full
-    fine-tuning (test_learning)."""
+    LoRA's 10x rate moves the policy far in one update) and 2 updates per batch, one step off:
+    the correction keeps a real share, and the second update starts where the first left the
+    loss, as in full fine-tuning (test_learning)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama)
     generator = JaxGenerator(tiny_llama, tokenizer.eos_token_id, tokenizer.pad_token_id)
     config = lora_run_config(tmp_path, 1, 8, 1e-1)

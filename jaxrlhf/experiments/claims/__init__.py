@@ -7,7 +7,8 @@
 
 Every run is `python -m jaxrlhf.main --config=configs/bed.py` (`jaxrlhf.models.bed`: a small
 Llama trained from scratch on the arithmetic task, fast enough for tens of seeds on 2 CPU
-cores) with the overrides of its arm (its claim's plan), in `{out}/{claim}/{arm}/seed{S}/`
+cores; a claim about another workload names its own config file, `ClaimSpec.config`) with the
+overrides of its arm (its claim's plan), in `{out}/{claim}/{arm}/seed{S}/`
 (default `--out results/claims`): its metrics.jsonl, summary.json, experiment.json and run.log
 are the records, committed packed into `{out}/{claim}/records.jsonl.xz`
 (`jaxrlhf.experiments.records`: `python -m jaxrlhf.experiments.records pack

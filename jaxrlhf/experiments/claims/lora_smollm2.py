@@ -7,10 +7,12 @@ The LoRA issue asks for the comparison on the bed (claims lora-tuning, lora-comp
 SmolLM2's default task. Each arm runs over a grid of learning rates (`GRID`: full fine-tuning's
 around the default, LoRA's 10x, 30x and 100x it, the bed having chosen 30x), on seeds apart from
 every other claim's (`SEEDS`), with the test split off; every evaluation takes the whole
-validation split. The arms (`lora_tuning.ARMS`: rank 8 on the seven linear layers of each block,
-each publish the adapter alone to a generator in LoRA mode) and the rule (`best_on_validation`:
-per arm, the rate with the highest mean final validation accuracy; a tie to the smaller rate;
-a choice at the edge of its grid said so) are lora-tuning's.
+validation split (`COMMON`: the default config evaluates 128 of its prompts), and the runs name
+their model (`model.path`), so that the report labels their start "smollm2". The arms
+(`lora_tuning.ARMS`: rank 8 on the seven linear layers of each block, each publish the adapter
+alone to a generator in LoRA mode) and the rule (`best_on_validation`: per arm, the rate with
+the highest mean final validation accuracy; a tie to the smaller rate; a choice at the edge of
+its grid said so) are lora-tuning's.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from jaxrlhf.experiments.claims.plans import Settings
 from jaxrlhf.experiments.runner import PlannedRun
 
 NAME = "lora-smollm2-tuning"
-SEEDS = "700-701"
+SEEDS = "710-711"
 GRID = {"full": (3e-6, 1e-5, 3e-5), "lora": (1e-4, 3e-4, 1e-3)}
+COMMON = {"task.num_eval": 0, "model.path": "smollm2"}
 RULE = rule_for(GRID)
 
 
 def plan_smollm2_tuning(settings: Settings, out: Path) -> list[PlannedRun]:
     """lora-tuning's plan over this claim's grid (module docstring)."""
-    return plan_lora_tuning(settings, out, NAME, GRID)
+    return plan_lora_tuning(settings, out, NAME, GRID, COMMON)
 
 
 def smollm2_tuning_record(arms, runs: Sequence[PlannedRun], settings: Settings) -> dict[str, Any]:

@@ -89,9 +89,10 @@ def best_on_validation(arms, runs: Sequence[PlannedRun], grid=GRID) -> dict[str,
     return chosen
 
 
-def plan_lora_tuning(settings: Settings, out: Path, name: str = NAME,
-                     grid=GRID) -> list[PlannedRun]:  # fmt: skip
-    """Each seed's grid, arm by arm, test split off (module docstring)."""
+def plan_lora_tuning(settings: Settings, out: Path, name: str = NAME, grid=GRID,
+                     common: dict[str, Any] | None = None) -> list[PlannedRun]:  # fmt: skip
+    """Each seed's grid, arm by arm, test split off (module docstring), with `common`'s
+    overrides in every run."""
     return [
         planned_run(
             out,
@@ -99,7 +100,13 @@ def plan_lora_tuning(settings: Settings, out: Path, name: str = NAME,
             arm_name(kind, lr),
             seed,
             settings,
-            {"eval.test": False, "eval.test_every": 0, "train.learning_rate": lr, **ARMS[kind]},
+            {
+                "eval.test": False,
+                "eval.test_every": 0,
+                "train.learning_rate": lr,
+                **ARMS[kind],
+                **(common or {}),
+            },
             {"kind": kind},
         )  # fmt: skip
         for seed in settings.seeds

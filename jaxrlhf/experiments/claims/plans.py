@@ -1,8 +1,9 @@
 """What the claims' plans share: the settings, and a run of an arm (each claim's module plans
-its arms, seeds and overrides of `configs/bed.py`).
+its arms, seeds and overrides of `configs/bed.py`, or of its own `ClaimSpec.config`).
 
 A run is a plain `python -m jaxrlhf.main --config=configs/bed.py` (the test bed's default
-workload: Online DPO, one step off, `jaxrlhf.models.bed`) with the overrides of its arm, in
+workload: Online DPO, one step off, `jaxrlhf.models.bed`; or the claim's config) with the
+overrides of its arm, in
 `{out}/{claim}/{arm}/seed{S}/`. A seed fixes the prompts, the generation seeds (batch
 generation) and nothing else that differs between arms, so two arms of one seed are paired.
 Continuous generation runs unseeded (`jaxrlhf.rl.continuous`): there a seed fixes the prompts.

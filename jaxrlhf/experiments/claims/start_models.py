@@ -97,8 +97,8 @@ def other_start(folder: Path, model: str, committed: Path = COMMITTED) -> bool:
     `model` than the committed one: a start accuracy differing from the build's `start.json`
     by 0.01 points or more (the resolution `analysis.start_of` pairs at)."""
     summary = records.text(folder, "summary.json")
-    if summary is None:
-        return False
+    if summary is None or not list(committed.glob(f"{model}-*")):
+        return False  # unfinished, or a model with no committed builds (e.g. packaged SmolLM2)
     ran = json.loads(summary)
     recorded = json.loads((committed_build(model, committed) / START).read_text())
     return any(ran.get(k) is None or round(ran[k] - recorded[k], 4) != 0 for k in START_KEYS)
