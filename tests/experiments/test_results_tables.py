@@ -26,6 +26,7 @@ def printed(script: str) -> list[str]:
         ("results/claims/f_workload_table.py", "results/claims/f-workload.md"),
         ("results/claims/c_kept.py", "BENCHMARKS.md"),
         ("results/claims-rounds/by_round.py", "BENCHMARKS.md"),
+        ("results/claims/b_rounds_by_round.py", "BENCHMARKS.md"),
     ],
 )
 def test_a_table_is_what_its_script_prints(script, shown_in):
