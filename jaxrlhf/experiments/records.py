@@ -185,7 +185,9 @@ def _check_not_nested(folder: Path) -> None:
 def unfinished(folder: str | Path) -> list[str]:
     """`folder`'s loose runs without a summary.json (in progress, failed or stopped)."""
     folder = Path(os.path.abspath(folder))
-    return sorted(run for run, named in _loose_runs(folder).items() if "summary.json" not in named)
+    return sorted(run.relative_to(folder).as_posix() for run in runs(folder)
+                  if run != folder and (loose := loose_files(run))
+                  and "summary.json" not in loose)  # fmt: skip
 
 
 def pack(folder: str | Path, replace: bool = False, partial: bool = False) -> list[str]:
