@@ -7,7 +7,8 @@ Per round: `sampler KL`, the KL to the reference of the policy that generated th
 samples (`kl`); `pairs right`, the share of Online DPO's pairs its policy ranks right, and
 `chosen` / `rejected`, its implicit rewards β·log(π/π_ref) of each pair's better and worse
 response (`loss/*`), over the round's updates; `test %`, the test accuracy at the round's end
-(the evaluation every 64 updates; the last is the run's final one).
+(the evaluation every 64 updates; the last is the run's final one). Then Online DPO's sampler
+KL at N = 1, where the policy samples its own pairs after every update, at the same points.
 """
 
 import json
@@ -63,6 +64,11 @@ def main() -> None:
             f"| {mean(dpo, index, 'loss/rejected_rewards'):+.3f} | {test_at(dpo, index):.1f} "
             f"| {mean(grpo, index, 'kl'):.2f} | {test_at(grpo, index):.1f} |"
         )
+    on_policy = rounds("online_dpo/N1")
+    at_end = statistics.mean(r["kl"] for split, _ in on_policy for r in split[0][-1:])
+    print(f"\nOnline DPO at N = 1 (a publish every update), for comparison: sampler KL "
+          f"{at_end:.2f} at update {ROUND}, {mean(on_policy, 1, 'kl'):.2f} over updates "
+          f"{ROUND + 1}-{2 * ROUND}.")  # fmt: skip
 
 
 if __name__ == "__main__":
