@@ -35,6 +35,10 @@ def row(folder: Path, lr: str, arm: str, seed: int) -> tuple[str, float]:
     return text, after
 
 
+def final_test(run: Path) -> float:
+    return json.loads(records.text(run, "summary.json"))["test_accuracy_end"]
+
+
 def main() -> None:
     print(HEADER)
     finals: dict[str, dict[int, dict[str, float]]] = {}
@@ -53,6 +57,13 @@ def main() -> None:
             print(f"\n{lr}: one-step-off − sync on validation, paired: "
                   f"{statistics.mean(diffs):+.1f}, s.d. {statistics.stdev(diffs):.1f} "
                   f"({len(diffs)} seeds)")  # fmt: skip
+    first = next(folder for folder in rates if folder.name.endswith("-first-pilot"))
+    test = {arm: [final_test(first / arm / f"seed{seed}") for seed in range(3)]
+            for arm in ("sync", "one-step-off")}  # fmt: skip
+    diffs = [100 * (a - s) for a, s in zip(test["one-step-off"], test["sync"], strict=True)]
+    print(f"\nThe first pilot at {rate(first)} (the test split on): one-step-off − sync on test, "
+          f"paired: {statistics.mean(diffs):+.1f}, s.d. {statistics.stdev(diffs):.1f} "
+          f"({len(diffs)} seeds)")  # fmt: skip
 
 
 if __name__ == "__main__":

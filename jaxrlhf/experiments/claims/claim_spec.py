@@ -44,6 +44,8 @@ class ClaimSpec:
     defaults: its command line's defaults of `SETTINGS_DEFAULTS` where not the usual ones.
     config: the file in configs/ its runs start from (the test bed's, unless the claim is about
         another workload).
+    rerun_by: the claim that runs this one again, pre-registered at fair settings: this row
+        goes below every current row of the claims table, its title naming its own settings.
     """
 
     name: str
@@ -56,6 +58,7 @@ class ClaimSpec:
     registration: Mapping[str, Any] | None = None
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     config: str = "bed.py"
+    rerun_by: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.title:

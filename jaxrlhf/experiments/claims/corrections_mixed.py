@@ -100,7 +100,9 @@ def corrections_on_mixed(arms, settings: Settings) -> tuple[list[Finding], Verdi
 
 SPEC = ClaimSpec(
     name="f",
-    title="(f) Off-policy corrections on samples that span a publish (ours)",
+    title="(f), first run, its control arm and family set after its results: off-policy "
+    "corrections on samples that span a publish (ours)",
+    rerun_by="f-replicated",
     paper="not studied",
     plan=plan_mixed,
     rule=corrections_on_mixed,

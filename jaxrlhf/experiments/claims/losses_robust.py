@@ -76,7 +76,9 @@ def losses_robust(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
 
 SPEC = ClaimSpec(
     name="b",
-    title="(b) Online DPO is the loss most robust to off-policy data",
+    title="(b), first run, every loss at Online DPO's lr 1.5e-5 and β 0.1, one generation round at "
+    "N = 64: Online DPO is the loss most robust to off-policy data",
+    rerun_by="b-rounds",
     paper="Online DPO still learns at N = 64; PPO and RLOO degrade (TLDR)",
     plan=plan_losses,
     rule=losses_robust,

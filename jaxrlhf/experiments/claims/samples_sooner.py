@@ -80,7 +80,9 @@ def samples_sooner(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
 
 SPEC = ClaimSpec(
     name="d",
-    title="(d) Training-bound, K = 4 samples per prompt reach a target sooner than K = 2",
+    title="(d), first run, on `bed`, evaluated every 16 updates: training-bound, K = 4 samples per "
+    "prompt reach a target sooner than K = 2",
+    rerun_by="d-bound",
     paper="K = 4 reaches the target about 2.5x sooner, at a higher KL",
     plan=plan_samples,
     rule=samples_sooner,

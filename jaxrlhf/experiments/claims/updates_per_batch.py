@@ -60,7 +60,9 @@ def updates_help(arms, settings: Settings) -> tuple[list[Finding], Verdict]:
 
 SPEC = ClaimSpec(
     name="e",
-    title="(e) Generation-bound, several updates per batch help",
+    title="(e), first run, one verdict on final accuracy: generation-bound, several updates per "
+    "batch help",
+    rerun_by="e-parts",
     paper="more updates per batch speed learning up, at a cost in final performance",
     plan=plan_updates,
     rule=updates_help,
