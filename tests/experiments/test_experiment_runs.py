@@ -220,7 +220,7 @@ CLAIM_ARMS = {"pilot": "sync", "a": "continuous", "b": "grpo+mask/N16", "c": "be
               "a-steps": "lr0.0001/one-step-off", "f-replicated": "grpo+mask",
               "e-parts": "U2", "lora-tuning": "full/lr5e-06", "b-rounds": "grpo/N4",
               "d-pilot": "bed/K4", "d-bound": "K4", "lora-compare": "full",
-              "lora-smollm2-tuning": "full/lr3e-06"}  # fmt: skip
+              "lora-smollm2-tuning": "full/lr3e-06", "lora-smollm2-compare": "full"}  # fmt: skip
 
 
 @pytest.mark.slow

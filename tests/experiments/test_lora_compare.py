@@ -1,6 +1,7 @@
-"""Claim lora-compare (LoRA at its own learning rate against full fine-tuning, on test): its
-rates are lora-tuning's recorded choices; its plan runs both arms at them on its own seeds; its
-rule is (a)'s equivalence rule for one comparison, by hand on hand-written runs."""
+"""Claims lora-compare and lora-smollm2-compare (LoRA at its own learning rate against full
+fine-tuning, on test, on the bed and on SmolLM2's default task): their rates are their tunings'
+recorded choices; their plans run both arms at them on their own seeds; the rule is (a)'s
+equivalence rule for one comparison, by hand on hand-written runs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import pytest
 
+from jaxrlhf.experiments.claims import lora_smollm2_compare as smollm2
 from jaxrlhf.experiments.claims.claim_registry import claim
 from jaxrlhf.experiments.claims.lora_compare import CHOSEN, COMPARISON, RULE
 from jaxrlhf.experiments.claims.lora_tuning import ARMS
@@ -69,3 +71,24 @@ def test_configs_bed_lora_is_the_compared_lora_arm():
     assert config.train.learning_rate == CHOSEN["lora"]
     differs = {k for k in config.to_dict() if config[k] != bed[k]}
     assert differs == {"model", "train", "generator", "output_dir"}
+
+
+def test_the_smollm2_rates_are_lora_smollm2_tuning_s_recorded_choices():
+    record = json.loads((REPO / "results/claims/lora-smollm2-tuning/claim.json").read_text())
+    assert record["verdict"]["word"] == "tuned"
+    assert {k: c["learning_rate"] for k, c in record["chosen"].items()} == smollm2.CHOSEN
+
+
+def test_the_smollm2_comparison_runs_the_default_task_on_its_whole_test_split(tmp_path):
+    spec = claim("lora-smollm2-compare")
+    assert spec.config == "default.py" and spec.registration == smollm2.RULE
+    assert spec.rule is claim("lora-compare").rule
+    assert spec.defaults == {"seeds": "720-729", "steps": 8, "eval_every": 8}
+    runs = spec.plan(Settings(seeds=(720, 721), steps=8, eval_every=8), tmp_path)
+    assert [run.labels["arm"] for run in runs] == ["full", "lora"] * 2
+    for run in runs:
+        kind = run.labels["kind"]
+        assert run.overrides["train.learning_rate"] == smollm2.CHOSEN[kind]
+        assert run.overrides["eval.test"] is True and run.overrides["task.num_test"] == 0
+        assert run.overrides["model.path"] == "smollm2" and run.overrides["total_steps"] == 8
+        assert all(run.overrides[k] == v for k, v in ARMS[kind].items())

@@ -11,6 +11,7 @@ from jaxrlhf.experiments.claims import (
     corrections_replicated,
     lora_compare,
     lora_smollm2,
+    lora_smollm2_compare,
     lora_tuning,
     losses_robust,
     losses_rounds,
@@ -43,6 +44,7 @@ CLAIMS: tuple[ClaimSpec, ...] = (
     lora_tuning.SPEC,  # lora-tuning: LoRA's and full fine-tuning's rates, pre-registered
     lora_compare.SPEC,  # lora-compare: LoRA against full fine-tuning at those rates, on test
     lora_smollm2.SPEC,  # lora-smollm2-tuning: lora-tuning on SmolLM2's default task
+    lora_smollm2_compare.SPEC,  # lora-smollm2-compare: lora-compare there, at its choices
 )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from jaxrlhf.experiments.claims.analysis import MARGIN, Finding, Verdict, family, interval, paired
 from jaxrlhf.experiments.claims.claim_spec import ClaimSpec
@@ -35,28 +36,39 @@ SEEDS = "510-519"
 # at the top of its grid, so its best rate may lie above it).
 CHOSEN = {"full": 1.5e-5, "lora": 4.5e-4}
 COMPARISON = "lora − full"
-RULE = {
-    "measure": "final greedy accuracy on the whole test split (points); lora − full, paired by "
-    "seed",
-    "rule": "lora_as_good",
-    "params": {
-        "learning rates": CHOSEN,
-        "margin": MARGIN,
-        "supported": f"the 95% interval lies above −{MARGIN:g} points",
-        "contradicted": f"the 95% interval lies wholly below −{MARGIN:g} points, beyond noise",
-        "otherwise": "unresolved at this power",
-    },
-    "families": {"LoRA against full fine-tuning": [COMPARISON]},
-}
 
 
-def plan_compare(settings: Settings, out: Path) -> list[PlannedRun]:
-    """Each seed's two arms, each at its chosen rate (module docstring)."""
-    if None in CHOSEN.values():
-        raise ValueError("lora-compare: set CHOSEN from lora-tuning's record first")
+def compare_rule(chosen: dict[str, float]) -> dict[str, Any]:
+    """The registered rule of a comparison at the rates `chosen` (module docstring)."""
+    return {
+        "measure": "final greedy accuracy on the whole test split (points); lora − full, paired "
+        "by seed",
+        "rule": "lora_as_good",
+        "params": {
+            "learning rates": chosen,
+            "margin": MARGIN,
+            "supported": f"the 95% interval lies above −{MARGIN:g} points",
+            "contradicted": f"the 95% interval lies wholly below −{MARGIN:g} points, beyond noise",
+            "otherwise": "unresolved at this power",
+        },
+        "families": {"LoRA against full fine-tuning": [COMPARISON]},
+    }
+
+
+RULE = compare_rule(CHOSEN)
+
+
+def plan_compare(settings: Settings, out: Path, name: str = NAME,
+                 chosen: dict[str, float | None] = CHOSEN,
+                 common: dict[str, Any] | None = None) -> list[PlannedRun]:  # fmt: skip
+    """Each seed's two arms, each at its chosen rate (module docstring), with `common`'s
+    overrides in every run."""
+    if None in chosen.values():
+        raise ValueError(f"{name}: set its chosen rates from its tuning's record first")
     return [
-        planned_run(out, NAME, kind, seed, settings,
-                    {"train.learning_rate": CHOSEN[kind], **ARMS[kind]}, {"kind": kind})
+        planned_run(out, name, kind, seed, settings,
+                    {"train.learning_rate": chosen[kind], **ARMS[kind], **(common or {})},
+                    {"kind": kind})
         for seed in settings.seeds
         for kind in ARMS
     ]  # fmt: skip
