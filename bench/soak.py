@@ -328,9 +328,8 @@ class Soak:
 def schedule_ids(model: Path, extra: list[str]) -> Callable[[int], list[str]]:
     """batch index -> the prompt ids the runs must train on, built as the learner builds them
     (configs/tiny.py, the tokenizer of `model`)."""
-    import transformers
-
     from configs.tiny import get_config
+    from jaxrlhf.models.tokenizer import load_tokenizer
     from jaxrlhf.rl.tasks import build_task
     from jaxrlhf.rl.trainer import prompts_for_batch_fn
 
@@ -339,7 +338,7 @@ def schedule_ids(model: Path, extra: list[str]) -> Callable[[int], list[str]]:
         key = item[len("--config.") :].partition("=")[0]
         if key.startswith(("task.", "rollout.prompts_per_batch", "seed")):
             raise SystemExit(f"--config.{key}: the soak checks the schedule of configs/tiny.py")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    tokenizer = load_tokenizer(model)
     schedule = prompts_for_batch_fn(build_task(config, tokenizer, test=False),
                                     config.rollout.prompts_per_batch, config.seed)  # fmt: skip
     return lambda index: [p.id for p in schedule(index)]

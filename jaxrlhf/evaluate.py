@@ -135,12 +135,11 @@ def in_chunks(fn, arrays: dict[str, np.ndarray]) -> np.ndarray:
 def gold_scores(path: Path, mesh, options: dict, prompts, *response_sets) -> list[np.ndarray]:
     """The gold reward model's score of each response of each set (one load of the model;
     `options`: its `load_pretrained` keywords)."""
-    import transformers
-
+    from jaxrlhf.models.tokenizer import load_tokenizer
     from jaxrlhf.stages.reward import RewardScorer
 
     scorer = RewardScorer(path, mesh, options)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     return [
         in_chunks(
             lambda b: scorer(b["input_ids"], b["attention_mask"]),
@@ -152,12 +151,11 @@ def gold_scores(path: Path, mesh, options: dict, prompts, *response_sets) -> lis
 
 def response_logprobs(path: Path, mesh, options: dict, prompts, responses) -> list[np.ndarray]:
     """Each response's per-token log-probs (EOS included) under the model at `path`."""
-    import transformers
-
     from jaxrlhf.models import load_pretrained, token_logprobs
+    from jaxrlhf.models.tokenizer import load_tokenizer
 
     model, params = load_pretrained(path, mesh=mesh, **options)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     arrays = prompt_response_batches(tokenizer, prompts, responses)
     logp = jax.jit(lambda p, i, m: token_logprobs(model, p, i, m))
 
@@ -173,10 +171,9 @@ def response_logprobs(path: Path, mesh, options: dict, prompts, responses) -> li
 def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") -> dict:
     """Generates greedy responses of the checkpoint's policy to the prompts of `split` ("test"
     or "validation") and writes the report."""
-    import transformers
-
     from jaxrlhf.data import task_registry
     from jaxrlhf.models.paths import resolve_model
+    from jaxrlhf.models.tokenizer import load_tokenizer
     from jaxrlhf.report import build_report, write_report
     from jaxrlhf.rl.tasks import tokenize_prompts
     from jaxrlhf.sharding import make_mesh
@@ -189,7 +186,7 @@ def evaluate(config, step_dir: Path, out_dir: Path, log, split: str = "test") ->
     frozen = model_options(config.model, frozen=True)  # the gold and SFT models, scoring only
     model, params = checkpoint_policy(config, base, step_dir, mesh)
     log(f"restored the policy from {step_dir}")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    tokenizer = load_tokenizer(base)
     prompts = task_registry.prompt_examples(config.task, split, config.seed)
     items = tokenize_prompts(tokenizer, prompts, config.rollout.max_prompt_tokens, split)
     max_tokens = config.eval.max_tokens or config.rollout.max_response_tokens

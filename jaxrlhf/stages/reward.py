@@ -94,14 +94,14 @@ class RewardScorer:
 
 def run(config, model_path: Path, log) -> dict:
     """Trains the reward model on the task's preference pairs; returns the summary."""
-    import transformers
+    from jaxrlhf.models.tokenizer import load_tokenizer
 
     out = Path(config.output_dir)
     mesh = make_mesh(tuple(config.mesh.shape))
     model, params = load_pretrained(
         model_path, head="score", mesh=mesh, seed=config.seed, **model_options(config.model)
     )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     length = config.train.max_length
     train = build_pairs(tokenizer, task_registry.preference_pairs(config.task, "train"), length)
     held_out = build_pairs(

@@ -166,10 +166,10 @@ def reward_model(config):
 
 
 def run(config, model_path: Path, log) -> dict:
-    import transformers
+    from jaxrlhf.models.tokenizer import load_tokenizer
 
     started = time.perf_counter()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     task = build_task(config, tokenizer, test=config.eval.test)
     reward = reward_model(config)
     if is_driver():  # the only process that talks to the generators (jaxrlhf.distributed)

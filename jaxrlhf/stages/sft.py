@@ -47,12 +47,12 @@ def build_examples(tokenizer, examples, max_length: int):
 
 def run(config, model_path: Path, log) -> dict:
     """Trains `config.total_steps` steps; returns a summary dict (also summary.json)."""
-    import transformers
+    from jaxrlhf.models.tokenizer import load_tokenizer
 
     out = Path(config.output_dir)
     mesh = make_mesh(tuple(config.mesh.shape))
     model, params = load_pretrained(model_path, mesh=mesh, **model_options(config.model))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     length = config.train.max_length
     train = build_examples(
         tokenizer, task_registry.sft_examples(config.task, "train", config.seed), length
