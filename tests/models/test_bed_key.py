@@ -22,7 +22,7 @@ from jaxrlhf.models import bed, tiny
 from jaxrlhf.stages import bed_build
 
 # bed.build_code_digest() of the code that built the committed start models, as it is now.
-PINNED = "948e15f0464c557d0905fd0e9ceaecee4ffb17fbf015cb66a029bfff539ce207"
+PINNED = "49a73368e5efebb4f385302d9733f62214cd0c05be3a8b8cf87b85a576ebdca6"
 
 RECIPE = bed.Recipe(size="bed", steps=3, batch_size=4)
 
