@@ -85,15 +85,13 @@ def summary_writer_class() -> type:
     import fail as "not installed" for the moment tensorboardX's modules load; torch imports
     normally afterwards. Where torch is loaded already, nothing is blocked."""
     with _IMPORT_LOCK:
-        if "tensorboardX" in sys.modules or "torch" in sys.modules:
-            from tensorboardX import SummaryWriter
-
-            return SummaryWriter
-        sys.modules["torch"] = None  # type: ignore[assignment]
+        block = "tensorboardX" not in sys.modules and "torch" not in sys.modules
+        if block:
+            sys.modules["torch"] = None  # type: ignore[assignment]
         try:
             from tensorboardX import SummaryWriter
         finally:
-            if sys.modules.get("torch", 0) is None:
+            if block and sys.modules.get("torch", 0) is None:
                 del sys.modules["torch"]
         return SummaryWriter
 
